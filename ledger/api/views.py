@@ -1,0 +1,301 @@
+"""The runtime API (DESIGN section 5): one APIView per operation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import serializers
+from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from ledger import policy, services
+from ledger.api import serializers as s
+from ledger.api.errors import error_body, exception_handler
+from ledger.models import Invocation, Runtime
+from ledger.services import Applied, LedgerError
+
+ERRORS = {
+    code: OpenApiResponse(s.ErrorSerializer, description=description)
+    for code, description in {
+        400: "malformed_request / validation_failed",
+        401: "unauthenticated",
+        404: "not_found",
+        409: "intent_conflict / idempotency_key_in_use / attempt_refused / "
+        "attempt_in_flight / outcome_conflict",
+        413: "payload_too_large",
+        422: "capability_disabled / subject_required",
+        429: "rate_limited",
+        503: "ledger_unavailable: nothing was recorded, safe to resend",
+    }.items()
+}
+
+
+def errors(*codes: int) -> dict[int, OpenApiResponse]:
+    return {code: ERRORS[code] for code in codes}
+
+
+def runtime_of(request: Request) -> Runtime:
+    """The authenticated runtime (RuntimeTokenAuthentication puts it in request.user)."""
+    runtime = request.user
+    assert isinstance(runtime, Runtime)
+    return runtime
+
+
+def written(applied: Applied) -> Response:
+    return Response(applied.state, status=201 if applied.created else 200)
+
+
+def valid_path_id(value: str) -> str:
+    """A path id that could never have been stored is simply not found."""
+    if len(value) > s.IDENTIFIER_LENGTH or s.IDENTIFIER_PATTERN.match(value) is None:
+        raise NotFound("no such invocation")
+    return value
+
+
+WRITE_RESPONSES = {
+    201: OpenApiResponse(s.StateSerializer, description="recorded"),
+    200: OpenApiResponse(s.StateSerializer, description="idempotent replay: already recorded"),
+}
+
+
+class IntentView(APIView):
+    @extend_schema(
+        operation_id="record_intent",
+        request=s.IntentSerializer,
+        responses={**WRITE_RESPONSES, **errors(400, 401, 409, 413, 422, 429, 503)},
+        summary="Record the write-ahead intent (and, with attempt_id, admit the first attempt)",
+    )
+    def post(self, request: Request) -> Response:
+        serializer = s.IntentSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        return written(
+            services.record_intent(runtime=runtime_of(request), intent=serializer.to_input())
+        )
+
+
+class AttemptView(APIView):
+    @extend_schema(
+        operation_id="admit_attempt",
+        request=s.AttemptSerializer,
+        responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 429, 503)},
+        summary="Ask admission for a new transport attempt",
+    )
+    def post(self, request: Request, invocation_id: str) -> Response:
+        serializer = s.AttemptSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        attempt = serializer.to_input(valid_path_id(invocation_id))
+        return written(
+            services.admit_attempt(
+                runtime=runtime_of(request),
+                invocation_id=attempt.invocation_id,
+                attempt_id=attempt.attempt_id,
+            )
+        )
+
+
+class OutcomeView(APIView):
+    @extend_schema(
+        operation_id="record_outcome",
+        request=s.OutcomeSerializer,
+        responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 429, 503)},
+        summary="Report an attempt's outcome",
+    )
+    def post(self, request: Request, invocation_id: str, attempt_id: str) -> Response:
+        serializer = s.OutcomeSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        outcome = serializer.to_input(valid_path_id(invocation_id), valid_path_id(attempt_id))
+        return written(services.record_outcome(runtime=runtime_of(request), outcome=outcome))
+
+
+def invocation_detail(invocation: Invocation) -> dict[str, Any]:
+    attempts = []
+    for attempt in invocation.attempts.all():
+        outcome = getattr(attempt, "outcome", None)
+        attempts.append(
+            {
+                "attempt_id": attempt.attempt_id,
+                "number": attempt.number,
+                "admitted_at": attempt.admitted_at,
+                "deadline_at": attempt.deadline_at,
+                "outcome": None
+                if outcome is None
+                else {
+                    "kind": outcome.kind,
+                    "retryable": outcome.retryable,
+                    "business_reference": outcome.business_reference,
+                    "result": outcome.result,
+                    "result_digest": outcome.result_digest,
+                    "error_code": outcome.error_code,
+                    "error_message": outcome.error_message,
+                    "completed_at": outcome.completed_at,
+                    "recorded_at": outcome.recorded_at,
+                },
+            }
+        )
+    return {
+        **services.typed_state(invocation),
+        "task_id": invocation.task_id,
+        "capability": invocation.capability_scope,
+        "subject": invocation.subject,
+        "idempotency_key": invocation.idempotency_key,
+        "arguments": invocation.arguments,
+        "arguments_digest": invocation.arguments_digest,
+        "risk": invocation.risk_level,
+        "created_at": invocation.created_at,
+        "updated_at": invocation.updated_at,
+        "attempts": attempts,
+        "events": [
+            {
+                "seq": e.seq,
+                "kind": e.kind,
+                "actor": e.actor,
+                "data": e.data,
+                "created_at": e.created_at,
+                "prev_hash": e.prev_hash,
+                "hash": e.hash,
+            }
+            for e in invocation.events.all()
+        ],
+    }
+
+
+class InvocationDetailView(APIView):
+    @extend_schema(
+        operation_id="get_invocation",
+        responses={200: s.InvocationDetailSerializer, **errors(401, 404, 429, 503)},
+        summary="State, retry decision, attempts and events of one invocation",
+    )
+    def get(self, request: Request, invocation_id: str) -> Response:
+        invocation = (
+            Invocation.objects.for_runtime(runtime_of(request))
+            .prefetch_related("attempts__outcome", "events")
+            .filter(invocation_id=valid_path_id(invocation_id))
+            .first()
+        )
+        if invocation is None:
+            raise NotFound("no such invocation")
+        return Response(invocation_detail(invocation))
+
+
+class ListQuerySerializer(s.StrictSerializer):
+    task_id = s.identifier(required=False)
+    status = serializers.ChoiceField(choices=[st.value for st in policy.Status], required=False)
+    after = serializers.IntegerField(required=False, min_value=0)
+    limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
+
+
+class InvocationListView(APIView):
+    @extend_schema(
+        operation_id="list_invocations",
+        parameters=[
+            OpenApiParameter("task_id", str),
+            OpenApiParameter("status", str, enum=[st.value for st in policy.Status]),
+            OpenApiParameter("after", int, description="the cursor from `next`"),
+            OpenApiParameter("limit", int, description="1 to 500, default 50"),
+        ],
+        responses={200: s.InvocationPageSerializer, **errors(400, 401, 429, 503)},
+        summary="The runtime's own invocations, newest last, keyset-paginated",
+    )
+    def get(self, request: Request) -> Response:
+        query = ListQuerySerializer(data=request.query_params.dict())
+        query.is_valid(raise_exception=True)
+        params = query.validated_data
+        rows = Invocation.objects.for_runtime(runtime_of(request)).order_by("id")
+        if "task_id" in params:
+            rows = rows.filter(task_id=params["task_id"])
+        if "status" in params:
+            rows = rows.filter(status=params["status"])
+        if "after" in params:
+            rows = rows.filter(id__gt=params["after"])
+        page = list(rows[: params["limit"] + 1])
+        more = len(page) > params["limit"]
+        page = page[: params["limit"]]
+        next_url = None
+        if more:
+            cursor = request.query_params.copy()
+            cursor["after"] = str(page[-1].pk)
+            next_url = request.build_absolute_uri(f"{request.path}?{cursor.urlencode()}")
+        return Response({"results": [services.typed_state(row) for row in page], "next": next_url})
+
+
+BATCH_ITEM_SERIALIZERS: dict[str, type[s.StrictSerializer]] = {
+    "intent": s.IntentItemSerializer,
+    "attempt": s.AttemptItemSerializer,
+    "outcome": s.OutcomeItemSerializer,
+}
+
+
+def batch_item(raw: Any) -> services.EvidenceInput:
+    if not isinstance(raw, dict):
+        raise ValidationError({"non_field_errors": ["Each item must be a JSON object."]})
+    kind = raw.get("type")
+    serializer_class = BATCH_ITEM_SERIALIZERS.get(kind) if isinstance(kind, str) else None
+    if serializer_class is None:
+        raise ValidationError({"type": ["Must be one of: intent, attempt, outcome."]})
+    serializer = serializer_class(data=raw)
+    serializer.is_valid(raise_exception=True)
+    data = serializer.validated_data
+    if isinstance(serializer, s.IntentItemSerializer):
+        return serializer.to_input()
+    if isinstance(serializer, s.AttemptItemSerializer):
+        return serializer.to_input(data["invocation_id"])
+    assert isinstance(serializer, s.OutcomeItemSerializer)
+    return serializer.to_input(data["invocation_id"], data["attempt_id"])
+
+
+class EvidenceView(APIView):
+    max_body_bytes = settings.LEDGER_MAX_BATCH_BODY_BYTES
+
+    @extend_schema(
+        operation_id="record_evidence_batch",
+        request={"application/json": {"type": "array", "items": {"type": "object"}}},
+        responses={207: s.BatchResponseSerializer, **errors(400, 401, 413, 429, 503)},
+        summary="Apply up to 1,000 intents, attempts and outcomes in order",
+        description=(
+            "Each item is the body of a single call plus `type` (`intent`, `attempt` or "
+            "`outcome`) and, for attempts and outcomes, `invocation_id` and `attempt_id`. "
+            "Each result is the status and body that single call would have returned."
+        ),
+    )
+    def post(self, request: Request) -> Response:
+        items = request.data
+        if not isinstance(items, list):
+            raise ValidationError({"non_field_errors": ["Expected a JSON array of items."]})
+        limit = settings.LEDGER_MAX_BATCH_ITEMS
+        if len(items) > limit:
+            raise ValidationError({"items": [f"At most {limit} items per batch."]})
+        # Invalid items get their 400 in place; the valid ones are applied in order.
+        results: list[tuple[int, Any] | None] = []
+        valid: list[services.EvidenceInput] = []
+        for raw in items:
+            try:
+                valid.append(batch_item(raw))
+                results.append(None)
+            except ValidationError as exc:
+                results.append((400, validation_body(exc)))
+        applied = iter(
+            services.apply_evidence(runtime=runtime_of(request), items=valid) if valid else []
+        )
+        body = []
+        for result in results:
+            if result is None:
+                outcome = next(applied)
+                if isinstance(outcome, LedgerError):
+                    result = (
+                        outcome.status,
+                        error_body(outcome.type, outcome.message, outcome.details),
+                    )
+                else:
+                    result = (201 if outcome.created else 200, outcome.state)
+            body.append({"status": result[0], "body": result[1]})
+        return Response({"results": body}, status=207)
+
+
+def validation_body(exc: ValidationError) -> dict[str, Any]:
+    response = exception_handler(exc, {})
+    assert response is not None
+    return response.data  # type: ignore[no-any-return]

@@ -1,0 +1,103 @@
+"""Canonical JSON (RFC 8785), digests, redaction and the per-invocation hash chain."""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import hashlib
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import rfc8785
+
+GENESIS_HASH = "0" * 64
+REDACTED = "[redacted]"
+# Keys that look like secrets are masked in every stored copy, whatever the policy.
+SECRET_KEY_PATTERN = re.compile(
+    r"passw(or)?d|passphrase|secret|token|authori[sz]ation|api[-_]?key|private[-_]?key"
+    r"|credential|card[-_]?(number|no)|cvv|cvc|iban|^pan$|^pin$",
+    re.IGNORECASE,
+)
+# JSON integers past this lose precision in I-JSON (RFC 8785 requires IEEE 754).
+MAX_SAFE_INTEGER = 2**53 - 1
+
+
+class CanonicalizationError(ValueError):
+    """The value cannot be represented in canonical JSON; `path` names where."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+def to_jsonable(value: Any, path: str = "$", max_depth: int = 64) -> Any:
+    """Convert Decimal, datetime and big integers to strings RFC 8785 accepts.
+
+    Floats that are not finite are refused: JSON has no NaN or Infinity.
+    """
+    if max_depth < 0:
+        raise CanonicalizationError(path, "nested too deeply")
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return value if abs(value) <= MAX_SAFE_INTEGER else str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
+        return value
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
+        return str(value)
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise CanonicalizationError(path, "object keys must be strings")
+            out[key] = to_jsonable(item, f"{path}.{key}", max_depth - 1)
+        return out
+    if isinstance(value, list | tuple):
+        return [to_jsonable(item, f"{path}[{i}]", max_depth - 1) for i, item in enumerate(value)]
+    raise CanonicalizationError(path, f"{type(value).__name__} is not JSON")
+
+
+def canonical(value: Any) -> bytes:
+    return rfc8785.dumps(to_jsonable(value))
+
+
+def digest(value: Any) -> str:
+    return "sha256:" + hashlib.sha256(canonical(value)).hexdigest()
+
+
+def redact(value: Any, paths: Iterable[str] = (), *, mask_all: bool = False) -> Any:
+    """A copy with secret-looking keys, listed dotted paths (or, with mask_all,
+    every leaf value) replaced by a marker. Lists are traversed with `[]` elided:
+    `items.card` masks `card` in every element of `items`."""
+    listed = frozenset(paths)
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, Mapping):
+            out = {}
+            for key, item in node.items():
+                child = f"{path}.{key}" if path else str(key)
+                if child in listed or SECRET_KEY_PATTERN.search(str(key)) is not None:
+                    out[key] = REDACTED
+                else:
+                    out[key] = walk(item, child)
+            return out
+        if isinstance(node, list):
+            return [walk(item, path) for item in node]
+        if mask_all and node is not None:
+            return REDACTED
+        return node
+
+    return walk(value, "")
+
+
+def event_hash(prev_hash: str, body: Mapping[str, Any]) -> str:
+    return hashlib.sha256(prev_hash.encode() + canonical(body)).hexdigest()

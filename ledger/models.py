@@ -1,0 +1,322 @@
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import TYPE_CHECKING
+
+from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from ledger import policy
+
+if TYPE_CHECKING:
+    from datetime import datetime
+
+
+class Capability(models.Model):
+    """A governed operation, identified by its ACC `scope` (e.g. `refund.create`)."""
+
+    class Risk(models.TextChoices):
+        LOW = "low"
+        MEDIUM = "medium"
+        HIGH = "high"
+
+    scope = models.CharField(max_length=160, unique=True)
+    enabled = models.BooleanField(default=True)
+    readonly = models.BooleanField(default=False)
+    idempotent = models.BooleanField(default=False)
+    # Admin-set: the business system enforces the idempotency key atomically. A
+    # declared `idempotent: true` alone never makes a post-dispatch failure retryable.
+    idempotency_verified = models.BooleanField(default=False)
+    risk_level = models.CharField(max_length=8, choices=Risk.choices, default=Risk.MEDIUM)
+    subject_required = models.BooleanField(default=False)
+    audit_sensitive = models.BooleanField(default=False)
+    timeout_ms = models.PositiveIntegerField(null=True, blank=True)
+    grace_ms = models.PositiveIntegerField(null=True, blank=True)
+    max_attempts = models.PositiveSmallIntegerField(null=True, blank=True)
+    # Argument paths (dotted) masked in the stored copy, on top of secret-looking keys.
+    redact_paths = ArrayField(models.CharField(max_length=200), default=list, blank=True)
+    declaration = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name_plural = "capabilities"
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(max_attempts__isnull=True) | Q(max_attempts__gte=1),
+                name="capability_max_attempts_positive",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.scope
+
+    def hints(self) -> policy.Hints:
+        return policy.Hints(
+            readonly=self.readonly,
+            idempotency_verified=self.idempotency_verified,
+            max_attempts=self.max_attempts or settings.LEDGER_DEFAULT_MAX_ATTEMPTS,
+        )
+
+
+class Runtime(models.Model):
+    """An agent runtime or gateway that posts evidence with its own tokens."""
+
+    name = models.CharField(max_length=100, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    # DRF's IsAuthenticated asks the authenticated principal this.
+    is_authenticated = True
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RuntimeTokenQuerySet(models.QuerySet["RuntimeToken"]):
+    def active(self) -> RuntimeTokenQuerySet:
+        return self.filter(revoked_at__isnull=True)
+
+
+class RuntimeToken(models.Model):
+    """A bearer token: `ilr_<prefix>_<secret>`, stored as a SHA-256 of the whole token.
+
+    The prefix is stored in clear to find the row; the secret is shown once.
+    SHA-256 (not a slow KDF) is right here: the secret is 256 random bits, so there
+    is nothing to brute-force, and every API request pays for the check.
+    """
+
+    PREFIX = "ilr"
+
+    runtime = models.ForeignKey(Runtime, on_delete=models.PROTECT, related_name="tokens")
+    prefix = models.CharField(max_length=16, unique=True)
+    digest = models.CharField(max_length=64)
+    label = models.CharField(max_length=100, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = RuntimeTokenQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"{self.PREFIX}_{self.prefix}_… ({self.runtime})"
+
+    @staticmethod
+    def hash(token: str) -> str:
+        return hashlib.sha256(token.encode()).hexdigest()
+
+    @classmethod
+    def issue(cls, *, runtime: Runtime, label: str = "") -> tuple[RuntimeToken, str]:
+        prefix = secrets.token_hex(6)
+        token = f"{cls.PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
+        row = cls.objects.create(
+            runtime=runtime, prefix=prefix, digest=cls.hash(token), label=label
+        )
+        return row, token
+
+    @staticmethod
+    def split(token: str) -> str | None:
+        """The lookup prefix of a well-formed token, else None."""
+        parts = token.split("_", 2)
+        if len(parts) != 3 or parts[0] != RuntimeToken.PREFIX or not parts[1] or not parts[2]:
+            return None
+        return parts[1]
+
+    def matches(self, token: str) -> bool:
+        return hmac.compare_digest(self.digest, self.hash(token))
+
+
+class InvocationQuerySet(models.QuerySet["Invocation"]):
+    def for_runtime(self, runtime: Runtime) -> InvocationQuerySet:
+        return self.filter(runtime=runtime)
+
+    def flagged(self) -> InvocationQuerySet:
+        return self.filter(status__in=[s.value for s in policy.NEEDS_RECONCILIATION])
+
+    def overdue(self, now: datetime) -> InvocationQuerySet:
+        return self.filter(status=policy.Status.IN_FLIGHT, deadline_at__lte=now)
+
+
+class Invocation(models.Model):
+    """One governed invocation: the intent, plus its current state as a projection.
+
+    Everything here except the projection fields is fixed at intent time. The
+    projection (status … head_hash) is rebuilt from the event chain and only ever
+    changes in the same transaction that appends the event explaining the change.
+    """
+
+    invocation_id = models.CharField(max_length=128, unique=True)
+    runtime = models.ForeignKey(Runtime, on_delete=models.PROTECT, related_name="invocations")
+    task_id = models.CharField(max_length=128)
+    capability = models.ForeignKey(
+        Capability, on_delete=models.PROTECT, null=True, blank=True, related_name="invocations"
+    )
+    capability_scope = models.CharField(max_length=160)
+    subject = models.CharField(max_length=256, blank=True)
+    idempotency_key = models.CharField(max_length=256)
+    # Never the raw arguments: a copy with secret-looking keys and the capability's
+    # listed paths masked (every value, for audit.sensitive ones with no list).
+    # None when the runtime sent only the digest.
+    arguments = models.JSONField(null=True, blank=True)
+    arguments_digest = models.CharField(max_length=71)
+    approval = models.JSONField(null=True, blank=True)
+    traceparent = models.CharField(max_length=55, blank=True)
+    requested_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    # Policy hints as they were when the intent was recorded.
+    hint_readonly = models.BooleanField()
+    hint_idempotency_verified = models.BooleanField()
+    max_attempts = models.PositiveSmallIntegerField()
+    timeout_ms = models.PositiveIntegerField()
+    grace_ms = models.PositiveIntegerField()
+    risk_level = models.CharField(max_length=8, choices=Capability.Risk.choices)
+
+    # The projection.
+    status = models.CharField(max_length=32, choices=[(s.value, s.value) for s in policy.Status])
+    failure_class = models.CharField(max_length=40, blank=True)
+    cause = models.CharField(max_length=40, blank=True)
+    resolution = models.CharField(max_length=20, blank=True)
+    flags = ArrayField(models.CharField(max_length=40), default=list, blank=True)
+    attempt_count = models.PositiveSmallIntegerField(default=0)
+    in_flight_attempt = models.CharField(max_length=128, blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    event_count = models.PositiveIntegerField(default=0)
+    head_hash = models.CharField(max_length=64)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    objects = InvocationQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            # One business intent per (capability, idempotency key), across runtimes.
+            models.UniqueConstraint(
+                fields=["capability_scope", "idempotency_key"], name="invocation_scope_key_unique"
+            ),
+            models.CheckConstraint(
+                condition=Q(
+                    status=policy.Status.IN_FLIGHT.value,
+                    in_flight_attempt__gt="",
+                    deadline_at__isnull=False,
+                )
+                | (~Q(status=policy.Status.IN_FLIGHT.value) & Q(in_flight_attempt="")),
+                name="invocation_in_flight_has_attempt_and_deadline",
+            ),
+        ]
+        indexes = [
+            # GET /api/v1/invocations?task_id=… (keyset on id within one runtime)
+            models.Index(fields=["runtime", "task_id", "id"], name="invocation_runtime_task"),
+            # GET /api/v1/invocations?status=… and the plain listing
+            models.Index(fields=["runtime", "status", "id"], name="invocation_runtime_status"),
+            # The sweeper: in-flight attempts past their deadline. Partial, so its cost
+            # follows the number of in-flight invocations, not the table.
+            models.Index(
+                fields=["deadline_at"],
+                condition=Q(status=policy.Status.IN_FLIGHT.value),
+                name="invocation_in_flight_deadline",
+            ),
+            # The reconciliation queue: flagged invocations by age.
+            models.Index(
+                fields=["updated_at"],
+                condition=Q(status__in=sorted(s.value for s in policy.NEEDS_RECONCILIATION)),
+                name="invocation_flagged_age",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.invocation_id
+
+    def hints(self) -> policy.Hints:
+        return policy.Hints(
+            readonly=self.hint_readonly,
+            idempotency_verified=self.hint_idempotency_verified,
+            max_attempts=self.max_attempts,
+        )
+
+    def state(self) -> policy.InvocationState:
+        return policy.InvocationState(
+            status=policy.Status(self.status),
+            failure_class=policy.OutcomeKind(self.failure_class) if self.failure_class else None,
+            cause=policy.Cause(self.cause) if self.cause else None,
+            attempts=self.attempt_count,
+            in_flight_attempt=self.in_flight_attempt or None,
+            resolution=policy.Effect(self.resolution) if self.resolution else None,
+            flags=frozenset(policy.Flag(f) for f in self.flags),
+        )
+
+    def apply_state(self, state: policy.InvocationState) -> None:
+        self.status = state.status.value
+        self.failure_class = state.failure_class.value if state.failure_class else ""
+        self.cause = state.cause.value if state.cause else ""
+        self.resolution = state.resolution.value if state.resolution else ""
+        self.attempt_count = state.attempts
+        self.in_flight_attempt = state.in_flight_attempt or ""
+        self.flags = sorted(f.value for f in state.flags)
+        if state.status is not policy.Status.IN_FLIGHT:
+            self.deadline_at = None
+
+
+class Attempt(models.Model):
+    """One transport attempt; immutable once admitted."""
+
+    invocation = models.ForeignKey(Invocation, on_delete=models.PROTECT, related_name="attempts")
+    attempt_id = models.CharField(max_length=128)
+    number = models.PositiveSmallIntegerField()
+    admitted_at = models.DateTimeField(default=timezone.now)
+    deadline_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["invocation", "attempt_id"], name="attempt_id_unique"),
+            models.UniqueConstraint(fields=["invocation", "number"], name="attempt_number_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.invocation_id}/{self.attempt_id}"
+
+
+class Outcome(models.Model):
+    """The runtime's report for one attempt; at most one, never replaced."""
+
+    attempt = models.OneToOneField(Attempt, on_delete=models.PROTECT, related_name="outcome")
+    kind = models.CharField(max_length=40, choices=[(k.value, k.value) for k in policy.OutcomeKind])
+    retryable = models.BooleanField(default=False)
+    business_reference = models.CharField(max_length=256, blank=True)
+    # Masked like Invocation.arguments.
+    result = models.JSONField(null=True, blank=True)
+    result_digest = models.CharField(max_length=71, blank=True)
+    error_code = models.CharField(max_length=128, blank=True)
+    error_message = models.TextField(blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    recorded_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"{self.attempt}: {self.kind}"
+
+
+class Event(models.Model):
+    """An append-only fact, hash-chained per invocation.
+
+    `hash = sha256(prev_hash ‖ canonical(event))`; PostgreSQL itself refuses UPDATE
+    and DELETE on this table (see migration 0002).
+    """
+
+    invocation = models.ForeignKey(Invocation, on_delete=models.PROTECT, related_name="events")
+    seq = models.PositiveIntegerField()
+    kind = models.CharField(max_length=48)
+    actor = models.CharField(max_length=160)
+    data = models.JSONField(default=dict)
+    created_at = models.DateTimeField(default=timezone.now)
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["invocation", "seq"], name="event_seq_unique"),
+        ]
+        # The timeline of one invocation is read through event_seq_unique.
+
+    def __str__(self) -> str:
+        return f"{self.invocation_id}#{self.seq} {self.kind}"

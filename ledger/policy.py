@@ -1,0 +1,308 @@
+"""The retry table and state transitions of DESIGN section 4, as pure functions.
+
+No Django here: the services load an invocation into an `InvocationState`, ask this
+module what the next state is, and persist what it answers. Every transition either
+returns a new state or raises `Refused` with the typed reason the API reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+
+class Status(StrEnum):
+    RECORDED = "recorded"
+    IN_FLIGHT = "in_flight"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    RETRY_ALLOWED = "retry_allowed"
+    RECONCILIATION_REQUIRED = "reconciliation_required"
+    RECONCILING = "reconciling"
+    ESCALATED = "escalated"
+    RESOLUTION_PROPOSED = "resolution_proposed"
+
+
+class OutcomeKind(StrEnum):
+    SUCCEEDED = "succeeded"
+    BUSINESS_FAILED = "business_failed"
+    PRE_DISPATCH_REJECTED = "pre_dispatch_rejected"
+    DISPATCH_NOT_ESTABLISHED = "dispatch_not_established"
+    POST_DISPATCH_EVIDENCE_FAILED = "post_dispatch_evidence_failed"
+
+
+class Effect(StrEnum):
+    """What reconciliation found in the business system."""
+
+    PRESENT = "effect_present"
+    ABSENT = "effect_absent"
+
+
+class Flag(StrEnum):
+    UNDECLARED = "undeclared"
+    APPROVAL_MISSING = "approval_missing"
+    EVIDENCE_CONFLICT = "evidence_conflict"
+
+
+class Cause(StrEnum):
+    EVIDENCE_MISSING = "evidence_missing"
+    EVIDENCE_REPORTED_LOST = "evidence_reported_lost"
+    DISPATCH_UNCERTAIN = "dispatch_uncertain"
+    BUSINESS_REJECTED = "business_rejected"
+    ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+    EVIDENCE_CONFLICT = "evidence_conflict"
+    RECONCILED_PRESENT = "reconciled_effect_present"
+    RECONCILED_ABSENT = "reconciled_effect_absent"
+
+
+class NextAction(StrEnum):
+    DISPATCH = "dispatch"
+    AWAIT_OUTCOME = "await_outcome"
+    NONE = "none"
+    RETRY = "retry"
+    RECONCILE = "reconcile"
+
+
+TERMINAL = frozenset({Status.SUCCEEDED, Status.FAILED})
+NEEDS_RECONCILIATION = frozenset(
+    {
+        Status.RECONCILIATION_REQUIRED,
+        Status.RECONCILING,
+        Status.ESCALATED,
+        Status.RESOLUTION_PROPOSED,
+    }
+)
+ADMITS_ATTEMPT = frozenset({Status.RECORDED, Status.RETRY_ALLOWED})
+
+NEXT_ACTION = {
+    Status.RECORDED: NextAction.DISPATCH,
+    Status.IN_FLIGHT: NextAction.AWAIT_OUTCOME,
+    Status.SUCCEEDED: NextAction.NONE,
+    Status.FAILED: NextAction.NONE,
+    Status.RETRY_ALLOWED: NextAction.RETRY,
+    Status.RECONCILIATION_REQUIRED: NextAction.RECONCILE,
+    Status.RECONCILING: NextAction.RECONCILE,
+    Status.ESCALATED: NextAction.RECONCILE,
+    Status.RESOLUTION_PROPOSED: NextAction.RECONCILE,
+}
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What the capability declaration (snapshotted at intent time) tells the policy."""
+
+    readonly: bool = False
+    idempotency_verified: bool = False
+    max_attempts: int = 5
+
+
+CONSERVATIVE_HINTS = Hints(readonly=False, idempotency_verified=False)
+
+
+@dataclass(frozen=True)
+class InvocationState:
+    status: Status = Status.RECORDED
+    failure_class: OutcomeKind | None = None
+    cause: Cause | None = None
+    attempts: int = 0
+    in_flight_attempt: str | None = None
+    # The settled answer of reconciliation, kept so late evidence can be compared.
+    resolution: Effect | None = None
+    flags: frozenset[Flag] = field(default_factory=frozenset)
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is Status.RETRY_ALLOWED
+
+    @property
+    def reconciliation_required(self) -> bool:
+        return self.status in NEEDS_RECONCILIATION
+
+    @property
+    def next_action(self) -> NextAction:
+        return NEXT_ACTION[self.status]
+
+
+class Refused(Exception):
+    """A transition the policy forbids; `reason` is the API error type."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def admit(state: InvocationState, hints: Hints, attempt_id: str) -> InvocationState:
+    """A new transport attempt: only from `recorded` or `retry_allowed`."""
+    if state.status is Status.IN_FLIGHT:
+        raise Refused(
+            "attempt_in_flight",
+            f"attempt {state.in_flight_attempt!r} of this invocation is in flight",
+        )
+    if state.status not in ADMITS_ATTEMPT:
+        raise Refused("attempt_refused", _refusal_message(state))
+    if state.attempts >= hints.max_attempts:
+        raise Refused(
+            "attempt_refused", f"the capability allows at most {hints.max_attempts} attempts"
+        )
+    return replace(
+        state,
+        status=Status.IN_FLIGHT,
+        attempts=state.attempts + 1,
+        in_flight_attempt=attempt_id,
+        failure_class=None,
+        cause=None,
+        resolution=None,
+    )
+
+
+def _refusal_message(state: InvocationState) -> str:
+    if state.reconciliation_required:
+        return (
+            "the outcome of an earlier attempt is unknown; the invocation must be "
+            "reconciled before any new attempt"
+        )
+    return f"the invocation is {state.status.value}; no new attempt may be admitted"
+
+
+def outcome_decision(
+    hints: Hints, kind: OutcomeKind, retryable: bool, attempts: int
+) -> tuple[Status, OutcomeKind | None, Cause | None]:
+    """The retry table: where a reported outcome of the in-flight attempt leads."""
+    if kind is OutcomeKind.SUCCEEDED:
+        return Status.SUCCEEDED, None, None
+    if kind is OutcomeKind.BUSINESS_FAILED and not retryable:
+        return Status.FAILED, kind, Cause.BUSINESS_REJECTED
+    safe_to_resend = {
+        OutcomeKind.PRE_DISPATCH_REJECTED: True,
+        OutcomeKind.BUSINESS_FAILED: True,
+        OutcomeKind.DISPATCH_NOT_ESTABLISHED: hints.readonly or hints.idempotency_verified,
+        OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED: hints.readonly,
+    }[kind]
+    if not safe_to_resend:
+        cause = (
+            Cause.DISPATCH_UNCERTAIN
+            if kind is OutcomeKind.DISPATCH_NOT_ESTABLISHED
+            else Cause.EVIDENCE_REPORTED_LOST
+        )
+        return Status.RECONCILIATION_REQUIRED, kind, cause
+    if attempts >= hints.max_attempts:
+        return Status.FAILED, kind, Cause.ATTEMPTS_EXHAUSTED
+    return Status.RETRY_ALLOWED, kind, None
+
+
+def report_outcome(
+    state: InvocationState,
+    hints: Hints,
+    attempt_id: str,
+    attempt_number: int,
+    kind: OutcomeKind,
+    retryable: bool = False,
+) -> InvocationState:
+    """An outcome from the runtime.
+
+    For the in-flight attempt it applies the retry table. Anything else is late
+    evidence: it settles an open reconciliation, agrees with what was settled
+    (nothing changes), or contradicts it (escalated, `evidence_conflict`).
+    """
+    if state.status is Status.IN_FLIGHT and state.in_flight_attempt == attempt_id:
+        status, failure_class, cause = outcome_decision(hints, kind, retryable, state.attempts)
+        return replace(
+            state,
+            status=status,
+            failure_class=failure_class,
+            cause=cause,
+            in_flight_attempt=None,
+        )
+    return late_outcome(state, hints, attempt_number, kind, retryable)
+
+
+def late_outcome(
+    state: InvocationState,
+    hints: Hints,
+    attempt_number: int,
+    kind: OutcomeKind,
+    retryable: bool,
+) -> InvocationState:
+    implied = implied_effect(kind)
+    if attempt_number < state.attempts:
+        # A later attempt was admitted only because this one was taken to have had
+        # no effect; evidence that it had one means a possible second effect.
+        return _conflict(state) if implied is Effect.PRESENT else state
+    settled = state.resolution or _effect_of_terminal(state)
+    if settled is not None:
+        if implied is not None and implied is not settled:
+            return _conflict(state)
+        return state
+    if implied is not None and (
+        state.status in NEEDS_RECONCILIATION or state.status is Status.RETRY_ALLOWED
+    ):
+        # The runtime's own evidence says what happened: it settles the question.
+        status, failure_class, cause = outcome_decision(hints, kind, retryable, state.attempts)
+        return replace(state, status=status, failure_class=failure_class, cause=cause)
+    return state
+
+
+def implied_effect(kind: OutcomeKind) -> Effect | None:
+    """What an outcome says about the business effect; None when it says nothing."""
+    if kind is OutcomeKind.SUCCEEDED:
+        return Effect.PRESENT
+    if kind in (OutcomeKind.BUSINESS_FAILED, OutcomeKind.PRE_DISPATCH_REJECTED):
+        return Effect.ABSENT
+    return None
+
+
+def _effect_of_terminal(state: InvocationState) -> Effect | None:
+    if state.status is Status.SUCCEEDED:
+        return Effect.PRESENT
+    if state.status is Status.FAILED and state.cause is Cause.BUSINESS_REJECTED:
+        return Effect.ABSENT
+    return None
+
+
+def _conflict(state: InvocationState) -> InvocationState:
+    return replace(
+        state,
+        status=Status.ESCALATED,
+        cause=Cause.EVIDENCE_CONFLICT,
+        in_flight_attempt=None,
+        flags=state.flags | {Flag.EVIDENCE_CONFLICT},
+    )
+
+
+def flag_missing_evidence(state: InvocationState, hints: Hints, attempt_id: str) -> InvocationState:
+    """The in-flight attempt passed its deadline with no outcome (the sweeper's call)."""
+    if state.status is not Status.IN_FLIGHT or state.in_flight_attempt != attempt_id:
+        raise Refused("not_in_flight", f"attempt {attempt_id!r} is not in flight")
+    status, failure_class, _ = outcome_decision(
+        hints, OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED, False, state.attempts
+    )
+    return replace(
+        state,
+        status=status,
+        failure_class=failure_class,
+        cause=Cause.EVIDENCE_MISSING,
+        in_flight_attempt=None,
+    )
+
+
+def resolve(state: InvocationState, hints: Hints, effect: Effect) -> InvocationState:
+    """Reconciliation's answer, from a probe or an operator."""
+    if state.status not in NEEDS_RECONCILIATION:
+        raise Refused(
+            "not_reconcilable", f"the invocation is {state.status.value}; nothing to resolve"
+        )
+    if effect is Effect.PRESENT:
+        return replace(
+            state,
+            status=Status.SUCCEEDED,
+            cause=Cause.RECONCILED_PRESENT,
+            resolution=effect,
+        )
+    if state.attempts >= hints.max_attempts:
+        return replace(
+            state, status=Status.FAILED, cause=Cause.ATTEMPTS_EXHAUSTED, resolution=effect
+        )
+    return replace(
+        state, status=Status.RETRY_ALLOWED, cause=Cause.RECONCILED_ABSENT, resolution=effect
+    )

@@ -1,0 +1,607 @@
+"""Writing evidence: intents, attempt admissions, outcomes and ledger-made flags.
+
+Every write goes through one unit of work (`_Work`): it loads the invocations a
+request touches with one locking query, applies the items in order in memory
+through `policy`, and writes the new rows with one statement per table. A single
+API call is a batch of one, so `POST /api/v1/evidence` answers exactly what the
+single calls would. A unique-constraint race (two runtimes recording the same
+intent at once) rolls the whole unit back and runs it again: the second run sees
+the winner's rows and answers as a replay or a conflict.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from ledger import chain, policy
+from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runtime
+
+log = logging.getLogger(__name__)
+
+RACE_RETRIES = 3
+PROJECTION_FIELDS = [
+    "status",
+    "failure_class",
+    "cause",
+    "resolution",
+    "flags",
+    "attempt_count",
+    "in_flight_attempt",
+    "deadline_at",
+    "event_count",
+    "head_hash",
+    "updated_at",
+]
+
+
+class LedgerError(Exception):
+    """A typed refusal: the API turns it into `{"error": {type, message, details}}`."""
+
+    def __init__(
+        self,
+        type: str,
+        message: str,
+        *,
+        status: int = 409,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.type = type
+        self.message = message
+        self.status = status
+        self.details = details or {}
+
+
+@dataclass(frozen=True)
+class IntentInput:
+    invocation_id: str
+    task_id: str
+    capability: str
+    idempotency_key: str
+    subject: str = ""
+    arguments: Any = None
+    has_arguments: bool = False
+    arguments_digest: str | None = None
+    approval: dict[str, Any] | None = None
+    traceparent: str = ""
+    attempt_id: str | None = None
+    requested_at: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class AttemptInput:
+    invocation_id: str
+    attempt_id: str
+
+
+@dataclass(frozen=True)
+class OutcomeInput:
+    invocation_id: str
+    attempt_id: str
+    kind: policy.OutcomeKind
+    retryable: bool = False
+    business_reference: str = ""
+    result: Any = None
+    has_result: bool = False
+    error_code: str = ""
+    error_message: str = ""
+    completed_at: dt.datetime | None = None
+
+
+EvidenceInput = IntentInput | AttemptInput | OutcomeInput
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One item's answer: `created` is False for an idempotent replay."""
+
+    invocation: Invocation
+    created: bool
+    state: dict[str, Any]
+
+
+ItemResult = Applied | LedgerError
+
+
+def typed_state(invocation: Invocation) -> dict[str, Any]:
+    """The body every write and read returns (DESIGN section 5)."""
+    state = invocation.state()
+    return {
+        "invocation_id": invocation.invocation_id,
+        "status": state.status.value,
+        "failure_class": state.failure_class.value if state.failure_class else None,
+        "cause": state.cause.value if state.cause else None,
+        "retryable": state.retryable,
+        "reconciliation_required": state.reconciliation_required,
+        "next_action": state.next_action.value,
+        "flags": list(invocation.flags),
+    }
+
+
+def _state_summary(invocation: Invocation) -> dict[str, Any]:
+    return {
+        "status": invocation.status,
+        "failure_class": invocation.failure_class or None,
+        "cause": invocation.cause or None,
+        "resolution": invocation.resolution or None,
+        "flags": list(invocation.flags),
+        "attempt_count": invocation.attempt_count,
+        "in_flight_attempt": invocation.in_flight_attempt or None,
+    }
+
+
+def runtime_actor(runtime: Runtime) -> str:
+    return f"runtime:{runtime.name}"
+
+
+@dataclass
+class _Work:
+    """The rows one request touches, loaded once, changed in memory, written once."""
+
+    runtime: Runtime | None
+    now: dt.datetime
+    invocations: dict[str, Invocation] = field(default_factory=dict)
+    by_key: dict[tuple[str, str], Invocation] = field(default_factory=dict)
+    attempts: dict[str, dict[str, Attempt]] = field(default_factory=dict)
+    outcomes: dict[tuple[str, str], Outcome] = field(default_factory=dict)
+    capabilities: dict[str, Capability | None] = field(default_factory=dict)
+    new_invocations: list[Invocation] = field(default_factory=list)
+    new_attempts: list[Attempt] = field(default_factory=list)
+    new_outcomes: list[Outcome] = field(default_factory=list)
+    new_events: list[Event] = field(default_factory=list)
+    dirty: dict[str, Invocation] = field(default_factory=dict)
+
+    # Loading ---------------------------------------------------------------
+
+    def load(self, items: Sequence[EvidenceInput]) -> None:
+        ids = {item.invocation_id for item in items}
+        intents = [item for item in items if isinstance(item, IntentInput)]
+        scopes = {item.capability for item in intents}
+        if scopes:
+            found = {c.scope: c for c in Capability.objects.filter(scope__in=scopes)}
+            self.capabilities = {scope: found.get(scope) for scope in scopes}
+        condition = Q(invocation_id__in=ids)
+        if intents:
+            condition |= Q(
+                capability_scope__in=scopes,
+                idempotency_key__in={item.idempotency_key for item in intents},
+            )
+        # Ordered locks: two batches touching the same rows never deadlock.
+        rows = list(
+            Invocation.objects.filter(condition)
+            .select_related("runtime", "capability")
+            .select_for_update(of=("self",))
+            .order_by("pk")
+        )
+        for row in rows:
+            self._remember(row)
+        if rows and (len(items) > 1 or not intents or intents[0].attempt_id):
+            self._load_attempts(rows)
+
+    def _load_attempts(self, rows: Iterable[Invocation]) -> None:
+        by_pk = {row.pk: row for row in rows}
+        for attempt in Attempt.objects.filter(invocation__in=by_pk).select_related("outcome"):
+            invocation = by_pk[attempt.invocation_id]  # type: ignore[attr-defined]
+            attempt.invocation = invocation
+            self.attempts[invocation.invocation_id][attempt.attempt_id] = attempt
+            outcome = getattr(attempt, "outcome", None)
+            if outcome is not None:
+                self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
+
+    def _remember(self, invocation: Invocation) -> None:
+        self.invocations[invocation.invocation_id] = invocation
+        self.by_key[invocation.capability_scope, invocation.idempotency_key] = invocation
+        self.attempts.setdefault(invocation.invocation_id, {})
+
+    def owned(self, invocation_id: str) -> Invocation:
+        invocation = self.invocations.get(invocation_id)
+        if invocation is None or (
+            self.runtime is not None and invocation.runtime_id != self.runtime.pk  # type: ignore[attr-defined]
+        ):
+            # Another runtime's invocation is as invisible as a missing one.
+            raise LedgerError("not_found", "no such invocation", status=404)
+        return invocation
+
+    # Writing ---------------------------------------------------------------
+
+    def event(self, invocation: Invocation, kind: str, actor: str, data: dict[str, Any]) -> None:
+        invocation.event_count += 1
+        body = {"state": _state_summary(invocation), **data}
+        event = Event(
+            invocation=invocation,
+            seq=invocation.event_count,
+            kind=kind,
+            actor=actor,
+            data=body,
+            created_at=self.now,
+            prev_hash=invocation.head_hash,
+        )
+        event.hash = chain.event_hash(event.prev_hash, event_body(event, invocation.invocation_id))
+        invocation.head_hash = event.hash
+        invocation.updated_at = self.now
+        self.new_events.append(event)
+        if invocation.pk is not None:
+            self.dirty[invocation.invocation_id] = invocation
+
+    def flush(self) -> None:
+        # Parents first: bulk_create fills in the children's foreign keys from the
+        # primary keys PostgreSQL returned for their parents.
+        Invocation.objects.bulk_create(self.new_invocations)
+        Attempt.objects.bulk_create(self.new_attempts)
+        Outcome.objects.bulk_create(self.new_outcomes)
+        Event.objects.bulk_create(self.new_events)
+        if self.dirty:
+            Invocation.objects.bulk_update(self.dirty.values(), PROJECTION_FIELDS)
+
+
+def event_body(event: Event, invocation_id: str) -> dict[str, Any]:
+    """What an event's hash covers: everything but its own hash."""
+    return {
+        "invocation_id": invocation_id,
+        "seq": event.seq,
+        "kind": event.kind,
+        "actor": event.actor,
+        "data": event.data,
+        "created_at": event.created_at.astimezone(dt.UTC).isoformat(),
+        "prev_hash": event.prev_hash,
+    }
+
+
+# The items -----------------------------------------------------------------
+
+
+def _deadline(invocation: Invocation, now: dt.datetime) -> dt.datetime:
+    return now + dt.timedelta(milliseconds=invocation.timeout_ms + invocation.grace_ms)
+
+
+def _admit(work: _Work, invocation: Invocation, attempt_id: str, actor: str) -> bool:
+    """Admit `attempt_id`; False when it was already admitted (a replay)."""
+    if attempt_id in work.attempts[invocation.invocation_id]:
+        return False
+    try:
+        state = policy.admit(invocation.state(), invocation.hints(), attempt_id)
+    except policy.Refused as refused:
+        raise LedgerError(
+            refused.reason,
+            refused.message,
+            details={"state": typed_state(invocation), "attempt_id": attempt_id},
+        ) from None
+    invocation.apply_state(state)
+    invocation.deadline_at = _deadline(invocation, work.now)
+    attempt = Attempt(
+        invocation=invocation,
+        attempt_id=attempt_id,
+        number=state.attempts,
+        admitted_at=work.now,
+        deadline_at=invocation.deadline_at,
+    )
+    work.attempts[invocation.invocation_id][attempt_id] = attempt
+    work.new_attempts.append(attempt)
+    work.event(
+        invocation,
+        "attempt_admitted",
+        actor,
+        {
+            "attempt_id": attempt_id,
+            "number": attempt.number,
+            "deadline_at": attempt.deadline_at.isoformat(),
+        },
+    )
+    return True
+
+
+def _stored_copy(value: Any, capability: Capability | None) -> Any:
+    paths = capability.redact_paths if capability else ()
+    mask_all = bool(capability and capability.audit_sensitive and not paths)
+    return chain.redact(value, paths, mask_all=mask_all)
+
+
+def _governance(item: IntentInput, capability: Capability | None) -> list[str]:
+    """ACC governance at intent time: refusals raise, findings become flags."""
+    if capability is None:
+        return [policy.Flag.UNDECLARED.value]
+    if not capability.enabled:
+        raise LedgerError(
+            "capability_disabled",
+            f"capability {capability.scope!r} is disabled",
+            status=422,
+            details={"capability": capability.scope},
+        )
+    if capability.subject_required and not item.subject:
+        raise LedgerError(
+            "subject_required",
+            f"capability {capability.scope!r} requires a subject",
+            status=422,
+            details={"subject": ["This capability requires a subject."]},
+        )
+    approval = capability.declaration.get("approval") or {}
+    if approval.get("required") is True and not item.approval:
+        return [policy.Flag.APPROVAL_MISSING.value]
+    return []
+
+
+def _intent_differences(
+    invocation: Invocation, item: IntentInput, arguments_digest: str
+) -> list[str]:
+    compared = {
+        "task_id": (invocation.task_id, item.task_id),
+        "capability": (invocation.capability_scope, item.capability),
+        "subject": (invocation.subject, item.subject),
+        "idempotency_key": (invocation.idempotency_key, item.idempotency_key),
+        "arguments": (invocation.arguments_digest, arguments_digest),
+        "approval": (invocation.approval, item.approval),
+    }
+    return sorted(name for name, (stored, sent) in compared.items() if stored != sent)
+
+
+def _apply_intent(work: _Work, item: IntentInput) -> Applied:
+    assert work.runtime is not None
+    actor = runtime_actor(work.runtime)
+    arguments_digest = chain.digest(item.arguments) if item.has_arguments else item.arguments_digest
+    assert arguments_digest is not None
+    existing = work.invocations.get(item.invocation_id)
+    if existing is not None:
+        if existing.runtime != work.runtime:
+            raise LedgerError(
+                "intent_conflict", "this invocation_id is already used by another runtime"
+            )
+        differing = _intent_differences(existing, item, arguments_digest)
+        if differing:
+            raise LedgerError(
+                "intent_conflict",
+                "an intent with this invocation_id was recorded with different content",
+                details={"fields": differing},
+            )
+        created = bool(item.attempt_id) and _admit(work, existing, item.attempt_id or "", actor)
+        return Applied(existing, created, typed_state(existing))
+
+    holder = work.by_key.get((item.capability, item.idempotency_key))
+    if holder is not None:
+        details = {"capability": item.capability, "idempotency_key": item.idempotency_key}
+        if holder.runtime == work.runtime:
+            details["invocation_id"] = holder.invocation_id
+        raise LedgerError(
+            "idempotency_key_in_use",
+            "this capability and idempotency key are bound to another invocation",
+            details=details,
+        )
+
+    capability = work.capabilities.get(item.capability)
+    flags = _governance(item, capability)
+    hints = capability.hints() if capability else policy.CONSERVATIVE_HINTS
+    invocation = Invocation(
+        invocation_id=item.invocation_id,
+        runtime=work.runtime,
+        task_id=item.task_id,
+        capability=capability,
+        capability_scope=item.capability,
+        subject=item.subject,
+        idempotency_key=item.idempotency_key,
+        arguments=_stored_copy(item.arguments, capability) if item.has_arguments else None,
+        arguments_digest=arguments_digest,
+        approval=item.approval,
+        traceparent=item.traceparent,
+        requested_at=item.requested_at,
+        created_at=work.now,
+        hint_readonly=hints.readonly,
+        hint_idempotency_verified=hints.idempotency_verified,
+        max_attempts=hints.max_attempts,
+        timeout_ms=(capability and capability.timeout_ms) or settings.LEDGER_DEFAULT_TIMEOUT_MS,
+        grace_ms=(capability and capability.grace_ms) or settings.LEDGER_DEFAULT_GRACE_MS,
+        risk_level=capability.risk_level if capability else Capability.Risk.HIGH,
+        status=policy.Status.RECORDED,
+        flags=flags,
+        head_hash=chain.GENESIS_HASH,
+        updated_at=work.now,
+    )
+    work.new_invocations.append(invocation)
+    work._remember(invocation)
+    work.event(
+        invocation,
+        "intent_recorded",
+        actor,
+        {
+            "task_id": item.task_id,
+            "capability": item.capability,
+            "subject": item.subject,
+            "idempotency_key": item.idempotency_key,
+            "arguments_digest": arguments_digest,
+            "approval": item.approval,
+            "traceparent": item.traceparent or None,
+            "requested_at": item.requested_at.isoformat() if item.requested_at else None,
+            "hints": {
+                "readonly": hints.readonly,
+                "idempotency_verified": hints.idempotency_verified,
+                "max_attempts": hints.max_attempts,
+                "risk": invocation.risk_level,
+            },
+        },
+    )
+    if item.attempt_id:
+        _admit(work, invocation, item.attempt_id, actor)
+    return Applied(invocation, True, typed_state(invocation))
+
+
+def _apply_attempt(work: _Work, item: AttemptInput) -> Applied:
+    assert work.runtime is not None
+    invocation = work.owned(item.invocation_id)
+    created = _admit(work, invocation, item.attempt_id, runtime_actor(work.runtime))
+    return Applied(invocation, created, typed_state(invocation))
+
+
+def _outcome_claim(item: OutcomeInput, result_digest: str) -> dict[str, Any]:
+    return {
+        "kind": item.kind.value,
+        "retryable": item.retryable,
+        "business_reference": item.business_reference,
+        "result_digest": result_digest,
+        "error_code": item.error_code,
+    }
+
+
+def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
+    assert work.runtime is not None
+    actor = runtime_actor(work.runtime)
+    invocation = work.owned(item.invocation_id)
+    attempt = work.attempts[invocation.invocation_id].get(item.attempt_id)
+    if attempt is None:
+        raise LedgerError(
+            "not_found",
+            "no such attempt for this invocation",
+            status=404,
+            details={"attempt_id": item.attempt_id},
+        )
+    result_digest = chain.digest(item.result) if item.has_result else ""
+    claim = _outcome_claim(item, result_digest)
+    recorded = work.outcomes.get((invocation.invocation_id, item.attempt_id))
+    if recorded is not None:
+        kept = _outcome_claim(
+            OutcomeInput(
+                invocation_id=item.invocation_id,
+                attempt_id=item.attempt_id,
+                kind=policy.OutcomeKind(recorded.kind),
+                retryable=recorded.retryable,
+                business_reference=recorded.business_reference,
+                error_code=recorded.error_code,
+            ),
+            recorded.result_digest,
+        )
+        if kept == claim:
+            return Applied(invocation, False, typed_state(invocation))
+        # The contradicting claim is evidence too: keep it, flag the invocation.
+        invocation.flags = sorted({*invocation.flags, policy.Flag.EVIDENCE_CONFLICT.value})
+        work.event(
+            invocation,
+            "outcome_conflict",
+            actor,
+            {"attempt_id": item.attempt_id, "claimed": claim, "recorded": kept},
+        )
+        raise LedgerError(
+            "outcome_conflict",
+            "a different outcome was already recorded for this attempt",
+            details={
+                "fields": sorted(k for k in claim if claim[k] != kept[k]),
+                "state": typed_state(invocation),
+            },
+        )
+    late = invocation.in_flight_attempt != item.attempt_id
+    state = policy.report_outcome(
+        invocation.state(),
+        invocation.hints(),
+        item.attempt_id,
+        attempt.number,
+        item.kind,
+        item.retryable,
+    )
+    invocation.apply_state(state)
+    outcome = Outcome(
+        attempt=attempt,
+        kind=item.kind.value,
+        retryable=item.retryable,
+        business_reference=item.business_reference,
+        result=_stored_copy(item.result, invocation.capability) if item.has_result else None,
+        result_digest=result_digest,
+        error_code=item.error_code,
+        error_message=item.error_message,
+        completed_at=item.completed_at,
+        recorded_at=work.now,
+    )
+    work.outcomes[invocation.invocation_id, item.attempt_id] = outcome
+    work.new_outcomes.append(outcome)
+    work.event(
+        invocation,
+        "late_outcome_recorded" if late else "outcome_recorded",
+        actor,
+        {
+            "attempt_id": item.attempt_id,
+            **claim,
+            "error_message": item.error_message,
+            "completed_at": item.completed_at.isoformat() if item.completed_at else None,
+        },
+    )
+    return Applied(invocation, True, typed_state(invocation))
+
+
+APPLY = {IntentInput: _apply_intent, AttemptInput: _apply_attempt, OutcomeInput: _apply_outcome}
+
+
+def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[ItemResult]:
+    """Apply items in order in one transaction; one result per item."""
+    for attempt in range(RACE_RETRIES):
+        try:
+            with transaction.atomic():
+                work = _Work(runtime=runtime, now=timezone.now())
+                work.load(items)
+                results: list[ItemResult] = []
+                for item in items:
+                    try:
+                        results.append(APPLY[type(item)](work, item))  # type: ignore[operator]
+                    except LedgerError as error:
+                        results.append(error)
+                work.flush()
+                return results
+        except IntegrityError:
+            if attempt == RACE_RETRIES - 1:
+                raise
+            log.info("evidence race lost, reloading runtime=%s items=%d", runtime.name, len(items))
+    raise AssertionError("unreachable")
+
+
+def _single(runtime: Runtime, item: EvidenceInput) -> Applied:
+    (result,) = apply_evidence(runtime=runtime, items=[item])
+    if isinstance(result, LedgerError):
+        raise result
+    return result
+
+
+def record_intent(*, runtime: Runtime, intent: IntentInput) -> Applied:
+    return _single(runtime, intent)
+
+
+def admit_attempt(*, runtime: Runtime, invocation_id: str, attempt_id: str) -> Applied:
+    return _single(runtime, AttemptInput(invocation_id=invocation_id, attempt_id=attempt_id))
+
+
+def record_outcome(*, runtime: Runtime, outcome: OutcomeInput) -> Applied:
+    return _single(runtime, outcome)
+
+
+@transaction.atomic
+def flag_missing_evidence(*, invocation_pk: int, now: dt.datetime | None = None) -> bool:
+    """Flag the in-flight attempt of an invocation past its deadline with no outcome.
+
+    Returns False when there is nothing to flag (an outcome won the race, or the
+    deadline moved): the sweeper may call it for any candidate, any number of times.
+    """
+    now = now or timezone.now()
+    invocation = (
+        Invocation.objects.select_for_update().filter(pk=invocation_pk).overdue(now).first()
+    )
+    if invocation is None:
+        return False
+    attempt_id = invocation.in_flight_attempt
+    deadline = invocation.deadline_at
+    state = policy.flag_missing_evidence(invocation.state(), invocation.hints(), attempt_id)
+    invocation.apply_state(state)
+    work = _Work(runtime=None, now=now)
+    work.event(
+        invocation,
+        "evidence_missing",
+        "ledger:sweeper",
+        {
+            "attempt_id": attempt_id,
+            "deadline_at": deadline.isoformat() if deadline else None,
+            "classified_as": policy.OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED.value,
+        },
+    )
+    work.flush()
+    return True

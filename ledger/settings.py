@@ -1,0 +1,213 @@
+"""Settings, all from the environment; see .env.example for every variable.
+
+With no DATABASE_URL and no CELERY_BROKER_URL the ledger runs on embedded defaults:
+the PostgreSQL that `python -m ledger.run` starts under .data/pg (from the pgserver
+wheel) and Kombu's filesystem broker under .data/broker.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+from psycopg.conninfo import conninfo_to_dict
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("LEDGER_DATA_DIR", BASE_DIR / ".data"))
+EMBEDDED_PG_DIR = DATA_DIR / "pg"
+EMBEDDED_BROKER_DIR = DATA_DIR / "broker"
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if raw.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if raw.lower() in {"0", "false", "no", "off", ""}:
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (true/false), not {raw!r}")
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
+
+
+DEBUG = env_bool("DEBUG", False)
+# Local runs (embedded defaults, tests) get a development key; `manage.py check
+# --deploy` flags it, and a deployment sets its own.
+SECRET_KEY = os.environ.get("SECRET_KEY") or "django-insecure-development-key-set-SECRET_KEY"
+
+ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.postgres",
+    "rest_framework",
+    "drf_spectacular",
+    "ledger",
+    "reconciliation",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "ledger.urls"
+WSGI_APPLICATION = "ledger.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def database_from_url(url: str) -> dict[str, object]:
+    try:
+        params = conninfo_to_dict(url)
+    except Exception as exc:
+        raise ImproperlyConfigured(f"DATABASE_URL is not a PostgreSQL URL: {exc}") from None
+    if not params.get("dbname"):
+        raise ImproperlyConfigured("DATABASE_URL must name a database, e.g. .../ledger")
+    options: dict[str, object] = {}
+    if env_bool("DATABASE_POOL", True):
+        options["pool"] = {
+            "min_size": env_int("DATABASE_POOL_MIN", 2),
+            "max_size": env_int("DATABASE_POOL_MAX", 16),
+            "timeout": env_int("DATABASE_POOL_TIMEOUT", 10),
+        }
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": params["dbname"],
+        "USER": params.get("user", ""),
+        "PASSWORD": params.get("password", ""),
+        "HOST": params.get("host", ""),
+        "PORT": params.get("port", ""),
+        "OPTIONS": options,
+        "TEST": {"NAME": f"test_{params['dbname']}"},
+    }
+
+
+DATABASE_URL = os.environ.get(
+    "DATABASE_URL", f"postgresql://postgres@/ledger?host={EMBEDDED_PG_DIR}"
+)
+DATABASES = {"default": database_from_url(DATABASE_URL)}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = DATA_DIR / "staticfiles"
+
+# The ingestion API answers only to runtime tokens: no sessions, no browsable HTML.
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["ledger.api.authentication.RuntimeTokenAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["ledger.api.parsers.StrictJSONParser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "ledger.api.errors.exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": ["ledger.api.throttling.RuntimeTokenThrottle"],
+    "DEFAULT_THROTTLE_RATES": {"runtime": os.environ.get("LEDGER_THROTTLE_RATE", "50000/min")},
+    "UNAUTHENTICATED_USER": None,
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Invocation Ledger API",
+    "DESCRIPTION": (
+        "Write-ahead intents, attempt admission and outcomes for agent tool calls. "
+        "Every response carries the typed state; errors are "
+        '`{"error": {"type", "message", "details"}}`.'
+    ),
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
+    "COMPONENT_SPLIT_REQUEST": True,
+    "APPEND_COMPONENTS": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+    },
+    "SECURITY": [{"bearer": []}],
+}
+
+# Limits (each refused with a typed 400/413 that names the field).
+LEDGER_MAX_BODY_BYTES = env_int("LEDGER_MAX_BODY_BYTES", 256 * 1024)
+LEDGER_MAX_BATCH_BODY_BYTES = env_int("LEDGER_MAX_BATCH_BODY_BYTES", 16 * 1024 * 1024)
+LEDGER_MAX_BATCH_ITEMS = 1000
+LEDGER_MAX_JSON_DEPTH = env_int("LEDGER_MAX_JSON_DEPTH", 32)
+# Django refuses bodies above this before the API sees them; the API's own limits
+# are lower and typed.
+DATA_UPLOAD_MAX_MEMORY_SIZE = LEDGER_MAX_BATCH_BODY_BYTES + 1024
+
+# Deadlines: an attempt with no outcome after timeout_ms + grace is flagged.
+LEDGER_DEFAULT_TIMEOUT_MS = env_int("LEDGER_DEFAULT_TIMEOUT_MS", 30_000)
+LEDGER_DEFAULT_GRACE_MS = env_int("LEDGER_DEFAULT_GRACE_MS", 60_000)
+LEDGER_DEFAULT_MAX_ATTEMPTS = env_int("LEDGER_DEFAULT_MAX_ATTEMPTS", 5)
+
+# Celery: a real broker always. Embedded default is Kombu's filesystem transport,
+# which delivers between processes on one machine with nothing to install.
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
+if CELERY_BROKER_URL.startswith("filesystem://"):
+    _queue_dir = str(EMBEDDED_BROKER_DIR / "queue")
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": _queue_dir,
+        "data_folder_out": _queue_dir,
+        "control_folder": str(EMBEDDED_BROKER_DIR / "control"),
+    }
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "structured": {
+            "format": "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+        },
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from ledger.models import Capability, Runtime, RuntimeToken
+
+
+@dataclass
+class Api:
+    """A runtime's view of the API: JSON in, (status, JSON) out."""
+
+    client: Client
+    token: str
+
+    def headers(self) -> dict[str, str]:
+        return {"HTTP_AUTHORIZATION": f"Bearer {self.token}"}
+
+    def post(self, path: str, body: Any, **extra: Any) -> tuple[int, Any]:
+        raw = body if isinstance(body, str | bytes) else json.dumps(body)
+        response = self.client.post(
+            path, raw, content_type="application/json", **{**self.headers(), **extra}
+        )
+        return response.status_code, response.json()
+
+    def get(self, path: str, **params: Any) -> tuple[int, Any]:
+        response = self.client.get(path, params, **self.headers())
+        return response.status_code, response.json()
+
+    def intent(self, **fields: Any) -> tuple[int, Any]:
+        return self.post("/api/v1/intents", intent_body(**fields))
+
+    def attempt(self, invocation_id: str, attempt_id: str) -> tuple[int, Any]:
+        return self.post(
+            f"/api/v1/invocations/{invocation_id}/attempts", {"attempt_id": attempt_id}
+        )
+
+    def outcome(self, invocation_id: str, attempt_id: str, **body: Any) -> tuple[int, Any]:
+        return self.post(f"/api/v1/invocations/{invocation_id}/attempts/{attempt_id}/outcome", body)
+
+
+def intent_body(**fields: Any) -> dict[str, Any]:
+    body = {
+        "invocation_id": "inv-1",
+        "task_id": "task-1",
+        "capability": "refund.create",
+        "arguments": {"order": "SO-1", "amount": "12.50"},
+        "idempotency_key": "refund-SO-1",
+    }
+    body.update(fields)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+@pytest.fixture
+def runtime_a(db: None) -> Runtime:
+    return Runtime.objects.create(name="runtime-a")
+
+
+@pytest.fixture
+def runtime_b(db: None) -> Runtime:
+    return Runtime.objects.create(name="runtime-b")
+
+
+@pytest.fixture
+def api(runtime_a: Runtime) -> Api:
+    _, token = RuntimeToken.issue(runtime=runtime_a)
+    return Api(Client(), token)
+
+
+@pytest.fixture
+def api_b(runtime_b: Runtime) -> Api:
+    _, token = RuntimeToken.issue(runtime=runtime_b)
+    return Api(Client(), token)
+
+
+@pytest.fixture
+def refund(db: None) -> Capability:
+    """A money-moving write: not readonly, key not verified by the business system."""
+    return Capability.objects.create(scope="refund.create", risk_level="high")
+
+
+@pytest.fixture
+def lookup(db: None) -> Capability:
+    return Capability.objects.create(scope="order.read", readonly=True, risk_level="low")

@@ -1,0 +1,245 @@
+from __future__ import annotations
+
+import pytest
+
+from ledger import chain
+from ledger.models import Attempt, Capability, Event, Invocation
+from tests.conftest import Api, intent_body
+
+
+def counts() -> tuple[int, int, int]:
+    return Invocation.objects.count(), Attempt.objects.count(), Event.objects.count()
+
+
+def test_it_records_an_intent_and_admits_the_first_attempt(api: Api, refund: Capability) -> None:
+    status, body = api.intent(attempt_id="a1")
+    assert status == 201
+    assert body == {
+        "invocation_id": "inv-1",
+        "status": "in_flight",
+        "failure_class": None,
+        "cause": None,
+        "retryable": False,
+        "reconciliation_required": False,
+        "next_action": "await_outcome",
+        "flags": [],
+    }
+    invocation = Invocation.objects.get()
+    assert invocation.arguments_digest == chain.digest({"order": "SO-1", "amount": "12.50"})
+    assert [e.kind for e in invocation.events.order_by("seq")] == [
+        "intent_recorded",
+        "attempt_admitted",
+    ]
+
+
+def test_it_records_an_intent_without_attempt_as_recorded(api: Api, refund: Capability) -> None:
+    status, body = api.intent()
+    assert (status, body["status"], body["next_action"]) == (201, "recorded", "dispatch")
+
+
+def test_a_replayed_intent_returns_the_same_body_and_writes_nothing(
+    api: Api, refund: Capability
+) -> None:
+    first = api.intent(attempt_id="a1")
+    before = counts()
+    replay = api.intent(attempt_id="a1")
+    assert replay == (200, first[1])
+    assert counts() == before
+
+
+def test_a_different_intent_under_the_same_id_is_a_conflict_listing_fields(
+    api: Api, refund: Capability
+) -> None:
+    api.intent()
+    before = counts()
+    status, body = api.intent(task_id="task-2", arguments={"order": "SO-2"})
+    assert status == 409
+    assert body["error"]["type"] == "intent_conflict"
+    assert body["error"]["details"]["fields"] == ["arguments", "task_id"]
+    assert counts() == before
+
+
+def test_the_same_key_on_another_invocation_is_refused(api: Api, refund: Capability) -> None:
+    api.intent()
+    status, body = api.intent(invocation_id="inv-2")
+    assert status == 409
+    assert body["error"]["type"] == "idempotency_key_in_use"
+    assert body["error"]["details"]["invocation_id"] == "inv-1"
+    assert Invocation.objects.count() == 1
+
+
+def test_another_runtime_does_not_learn_which_invocation_holds_a_key(
+    api: Api, api_b: Api, refund: Capability
+) -> None:
+    api.intent()
+    status, body = api_b.intent(invocation_id="inv-b")
+    assert (status, body["error"]["type"]) == (409, "idempotency_key_in_use")
+    assert "invocation_id" not in body["error"]["details"]
+
+
+def test_the_same_key_under_another_capability_is_another_intent(
+    api: Api, refund: Capability
+) -> None:
+    api.intent()
+    status, _ = api.intent(invocation_id="inv-2", capability="refund.cancel")
+    assert status == 201
+
+
+def test_an_undeclared_capability_is_accepted_with_conservative_hints(api: Api) -> None:
+    status, body = api.intent(capability="payroll.change")
+    assert status == 201
+    assert body["flags"] == ["undeclared"]
+    invocation = Invocation.objects.get()
+    assert (invocation.hint_readonly, invocation.hint_idempotency_verified) == (False, False)
+    assert invocation.risk_level == "high"
+
+
+def test_a_disabled_capability_refuses_the_intent(api: Api) -> None:
+    Capability.objects.create(scope="refund.create", enabled=False)
+    status, body = api.intent()
+    assert (status, body["error"]["type"]) == (422, "capability_disabled")
+    assert Invocation.objects.count() == 0
+
+
+def test_a_subject_required_capability_refuses_an_intent_without_subject(api: Api) -> None:
+    Capability.objects.create(scope="refund.create", subject_required=True)
+    status, body = api.intent()
+    assert (status, body["error"]["type"]) == (422, "subject_required")
+    assert api.intent(subject="customer:42")[0] == 201
+
+
+def test_a_required_approval_that_is_missing_is_flagged(api: Api) -> None:
+    Capability.objects.create(
+        scope="refund.create",
+        declaration={
+            "version": 1,
+            "enabled": True,
+            "scope": "refund.create",
+            "approval": {"required": True},
+        },
+    )
+    assert api.intent()[1]["flags"] == ["approval_missing"]
+    approved = api.intent(
+        invocation_id="inv-2", idempotency_key="k2", approval={"approved_by": "alice"}
+    )
+    assert approved[1]["flags"] == []
+
+
+def test_secret_looking_arguments_never_reach_the_database(api: Api, refund: Capability) -> None:
+    api.intent(
+        arguments={"card_number": "4111111111111111", "nested": {"api_key": "s3cr3t"}, "amount": 5}
+    )
+    stored = Invocation.objects.get().arguments
+    assert stored == {"card_number": "[redacted]", "nested": {"api_key": "[redacted]"}, "amount": 5}
+
+
+def test_sensitive_capabilities_keep_only_the_digest_and_a_masked_copy(api: Api) -> None:
+    Capability.objects.create(scope="refund.create", audit_sensitive=True)
+    arguments = {"employee": "E-7", "salary": 91000}
+    api.intent(arguments=arguments, attempt_id="a1")
+    invocation = Invocation.objects.get()
+    assert invocation.arguments == {"employee": "[redacted]", "salary": "[redacted]"}
+    assert invocation.arguments_digest == chain.digest(arguments)
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT row_to_json(i)::text FROM ledger_invocation i")
+        row = cursor.fetchone()[0]
+        cursor.execute("SELECT string_agg(data::text, ' ') FROM ledger_event")
+        events = cursor.fetchone()[0]
+    assert "E-7" not in row and "91000" not in row
+    assert "E-7" not in events and "91000" not in events
+
+
+def test_listed_paths_are_masked(api: Api) -> None:
+    Capability.objects.create(scope="refund.create", redact_paths=["customer.iban_last4"])
+    api.intent(arguments={"customer": {"iban_last4": "1234", "name": "Ada"}})
+    assert Invocation.objects.get().arguments == {
+        "customer": {"iban_last4": "[redacted]", "name": "Ada"}
+    }
+
+
+def test_a_digest_alone_is_accepted(api: Api, refund: Capability) -> None:
+    digest = chain.digest({"a": 1})
+    status, _ = api.intent(arguments=None, arguments_digest=digest)
+    assert status == 201
+    assert Invocation.objects.get().arguments is None
+
+
+def test_a_digest_that_does_not_match_the_arguments_is_refused(api: Api) -> None:
+    status, body = api.intent(arguments_digest=chain.digest({"other": True}))
+    assert (status, body["error"]["type"]) == (400, "validation_failed")
+    assert "arguments_digest" in body["error"]["details"]
+
+
+BAD_BODIES = (
+    [
+        ("not json", "{", "malformed_request", None),
+        ("nan", '{"invocation_id": "x", "arguments": NaN}', "malformed_request", None),
+        ("array", "[]", "validation_failed", "non_field_errors"),
+        ("unknown field", {**intent_body(), "colour": "red"}, "validation_failed", "colour"),
+        (
+            "missing field",
+            {k: v for k, v in intent_body().items() if k != "task_id"},
+            "validation_failed",
+            "task_id",
+        ),
+        ("wrong type", intent_body(task_id=7), "validation_failed", "task_id"),
+        (
+            "control character",
+            intent_body(invocation_id="inv\x00-1"),
+            "validation_failed",
+            "invocation_id",
+        ),
+        (
+            "newline in key",
+            intent_body(idempotency_key="k\n1"),
+            "validation_failed",
+            "idempotency_key",
+        ),
+        ("too long id", intent_body(invocation_id="i" * 129), "validation_failed", "invocation_id"),
+        (
+            "huge integer",
+            intent_body(arguments={"amount": 2**64}),
+            "validation_failed",
+            "arguments",
+        ),
+        ("too deep", intent_body(arguments=nest(40)), "validation_failed", "arguments"),
+        ("bad traceparent", intent_body(traceparent="00-zz"), "validation_failed", "traceparent"),
+        ("no arguments", intent_body(arguments=None), "validation_failed", "arguments"),
+        ("empty key", intent_body(idempotency_key=""), "validation_failed", "idempotency_key"),
+        ("bad scope", intent_body(capability="refund create"), "validation_failed", "capability"),
+    ]
+    if (nest := lambda depth: {"a": nest(depth - 1)} if depth else 1)
+    else []
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "error", "field"), BAD_BODIES, ids=[case[0] for case in BAD_BODIES]
+)
+def test_bad_input_gets_a_typed_error_and_writes_nothing(
+    api: Api, refund: Capability, case: str, body: object, error: str, field: str | None
+) -> None:
+    status, answer = api.post("/api/v1/intents", body)
+    assert status == 400
+    assert answer["error"]["type"] == error
+    assert answer["error"]["message"]
+    if field:
+        assert field in answer["error"]["details"]
+    assert counts() == (0, 0, 0)
+
+
+def test_an_oversized_body_is_refused_with_413(api: Api, settings: object) -> None:
+    body = intent_body(arguments={"blob": "x" * (256 * 1024)})
+    status, answer = api.post("/api/v1/intents", body)
+    assert (status, answer["error"]["type"]) == (413, "payload_too_large")
+    assert counts() == (0, 0, 0)
+
+
+def test_a_body_that_is_not_json_media_type_is_refused(api: Api) -> None:
+    response = api.client.post(
+        "/api/v1/intents", "a=b", content_type="application/x-www-form-urlencoded", **api.headers()
+    )
+    assert response.status_code == 415
+    assert response.json()["error"]["type"] == "unsupported_media_type"

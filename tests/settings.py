@@ -1,0 +1,11 @@
+"""Test settings: the project's settings, pointed at the machine's PostgreSQL and Redis
+unless DATABASE_URL / CELERY_BROKER_URL say otherwise."""
+
+import os
+
+os.environ.setdefault("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/ledger")
+os.environ.setdefault("CELERY_BROKER_URL", "redis://127.0.0.1:6379/15")
+
+from ledger.settings import *  # noqa: E402, F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
