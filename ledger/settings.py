@@ -57,12 +57,14 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "ledger",
     "reconciliation",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -102,7 +104,8 @@ def database_from_url(url: str) -> dict[str, object]:
         options["pool"] = {
             "min_size": env_int("DATABASE_POOL_MIN", 2),
             "max_size": env_int("DATABASE_POOL_MAX", 16),
-            "timeout": env_int("DATABASE_POOL_TIMEOUT", 10),
+            # How long a request waits for a connection before answering 503.
+            "timeout": env_int("DATABASE_POOL_TIMEOUT", 5),
         }
     return {
         "ENGINE": "django.db.backends.postgresql",
@@ -135,6 +138,12 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = DATA_DIR / "staticfiles"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+# Without collectstatic (tests, a fresh checkout) serve from the finders.
+WHITENOISE_USE_FINDERS = True
 
 # The ingestion API answers only to runtime tokens: no sessions, no browsable HTML.
 REST_FRAMEWORK = {
@@ -161,10 +170,14 @@ SPECTACULAR_SETTINGS = {
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
     "COMPONENT_SPLIT_REQUEST": True,
-    "APPEND_COMPONENTS": {
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+    # Swagger UI from the installed sidecar package: the docs work offline.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "ENUM_NAME_OVERRIDES": {
+        "OutcomeKindEnum": "ledger.policy.OutcomeKind",
+        "StatusEnum": "ledger.policy.Status",
     },
-    "SECURITY": [{"bearer": []}],
 }
 
 # Limits (each refused with a typed 400/413 that names the field).

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
-
-from ledger.celery import app as celery_app
+from kombu import Connection
 
 
 @require_GET
@@ -24,8 +24,13 @@ def _database_ready() -> str | None:
 
 def _broker_ready() -> str | None:
     try:
-        with celery_app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=2)
+        broker = Connection(
+            settings.CELERY_BROKER_URL,
+            transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+            connect_timeout=2,
+        )
+        with broker:
+            broker.ensure_connection(max_retries=1, timeout=2)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}".strip()
     return None

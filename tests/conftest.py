@@ -18,17 +18,17 @@ class Api:
     token: str
 
     def headers(self) -> dict[str, str]:
-        return {"HTTP_AUTHORIZATION": f"Bearer {self.token}"}
+        return {"Authorization": f"Bearer {self.token}"}
 
     def post(self, path: str, body: Any, **extra: Any) -> tuple[int, Any]:
         raw = body if isinstance(body, str | bytes) else json.dumps(body)
         response = self.client.post(
-            path, raw, content_type="application/json", **{**self.headers(), **extra}
+            path, raw, content_type="application/json", headers=self.headers(), **extra
         )
         return response.status_code, response.json()
 
     def get(self, path: str, **params: Any) -> tuple[int, Any]:
-        response = self.client.get(path, params, **self.headers())
+        response = self.client.get(path, params, headers=self.headers())
         return response.status_code, response.json()
 
     def intent(self, **fields: Any) -> tuple[int, Any]:

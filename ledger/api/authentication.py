@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from typing import Any
+
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
@@ -32,3 +35,17 @@ class RuntimeTokenAuthentication(authentication.BaseAuthentication):
 
     def authenticate_header(self, request: Request) -> str:
         return self.keyword
+
+
+class RuntimeTokenScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
+    """Tells drf-spectacular how runtimes authenticate."""
+
+    target_class = RuntimeTokenAuthentication
+    name = "runtimeToken"
+
+    def get_security_definition(self, auto_schema: Any) -> dict[str, str]:
+        return {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "A runtime token from `manage.py create_runtime`.",
+        }

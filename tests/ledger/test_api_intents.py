@@ -172,47 +172,47 @@ def test_a_digest_that_does_not_match_the_arguments_is_refused(api: Api) -> None
     assert "arguments_digest" in body["error"]["details"]
 
 
-BAD_BODIES = (
-    [
-        ("not json", "{", "malformed_request", None),
-        ("nan", '{"invocation_id": "x", "arguments": NaN}', "malformed_request", None),
-        ("array", "[]", "validation_failed", "non_field_errors"),
-        ("unknown field", {**intent_body(), "colour": "red"}, "validation_failed", "colour"),
-        (
-            "missing field",
-            {k: v for k, v in intent_body().items() if k != "task_id"},
-            "validation_failed",
-            "task_id",
-        ),
-        ("wrong type", intent_body(task_id=7), "validation_failed", "task_id"),
-        (
-            "control character",
-            intent_body(invocation_id="inv\x00-1"),
-            "validation_failed",
-            "invocation_id",
-        ),
-        (
-            "newline in key",
-            intent_body(idempotency_key="k\n1"),
-            "validation_failed",
-            "idempotency_key",
-        ),
-        ("too long id", intent_body(invocation_id="i" * 129), "validation_failed", "invocation_id"),
-        (
-            "huge integer",
-            intent_body(arguments={"amount": 2**64}),
-            "validation_failed",
-            "arguments",
-        ),
-        ("too deep", intent_body(arguments=nest(40)), "validation_failed", "arguments"),
-        ("bad traceparent", intent_body(traceparent="00-zz"), "validation_failed", "traceparent"),
-        ("no arguments", intent_body(arguments=None), "validation_failed", "arguments"),
-        ("empty key", intent_body(idempotency_key=""), "validation_failed", "idempotency_key"),
-        ("bad scope", intent_body(capability="refund create"), "validation_failed", "capability"),
-    ]
-    if (nest := lambda depth: {"a": nest(depth - 1)} if depth else 1)
-    else []
-)
+def nest(depth: int) -> object:
+    return {"a": nest(depth - 1)} if depth else 1
+
+
+BAD_BODIES = [
+    ("not json", "{", "malformed_request", None),
+    ("nan", '{"invocation_id": "x", "arguments": NaN}', "malformed_request", None),
+    ("array", "[]", "validation_failed", "non_field_errors"),
+    ("unknown field", {**intent_body(), "colour": "red"}, "validation_failed", "colour"),
+    (
+        "missing field",
+        {k: v for k, v in intent_body().items() if k != "task_id"},
+        "validation_failed",
+        "task_id",
+    ),
+    ("wrong type", intent_body(task_id=7), "validation_failed", "task_id"),
+    (
+        "control character",
+        intent_body(invocation_id="inv\x00-1"),
+        "validation_failed",
+        "invocation_id",
+    ),
+    (
+        "newline in key",
+        intent_body(idempotency_key="k\n1"),
+        "validation_failed",
+        "idempotency_key",
+    ),
+    ("too long id", intent_body(invocation_id="i" * 129), "validation_failed", "invocation_id"),
+    (
+        "huge integer",
+        intent_body(arguments={"amount": 2**64}),
+        "validation_failed",
+        "arguments",
+    ),
+    ("too deep", intent_body(arguments=nest(40)), "validation_failed", "arguments"),
+    ("bad traceparent", intent_body(traceparent="00-zz"), "validation_failed", "traceparent"),
+    ("no arguments", intent_body(arguments=None), "validation_failed", "arguments"),
+    ("empty key", intent_body(idempotency_key=""), "validation_failed", "idempotency_key"),
+    ("bad scope", intent_body(capability="refund create"), "validation_failed", "capability"),
+]
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,10 @@ def test_an_oversized_body_is_refused_with_413(api: Api, settings: object) -> No
 
 def test_a_body_that_is_not_json_media_type_is_refused(api: Api) -> None:
     response = api.client.post(
-        "/api/v1/intents", "a=b", content_type="application/x-www-form-urlencoded", **api.headers()
+        "/api/v1/intents",
+        "a=b",
+        content_type="application/x-www-form-urlencoded",
+        headers=api.headers(),
     )
     assert response.status_code == 415
     assert response.json()["error"]["type"] == "unsupported_media_type"

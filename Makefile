@@ -1,0 +1,28 @@
+# Everything goes through uv with the committed lock; uv itself is installed with pip
+# if this machine has none.
+export UV_PYTHON_DOWNLOADS := never
+UV_VERSION := 0.13.8
+UV := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
+
+.PHONY: run test lint deps bench
+
+deps:
+	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"
+	@$(UV) sync --frozen --quiet
+
+## Run the ledger (web on http://127.0.0.1:8000, Celery worker and beat).
+run: deps
+	$(UV) run --frozen python -m ledger.run
+
+## Lint, type-check and run the whole test suite against PostgreSQL and Redis.
+test: deps lint
+	$(UV) run --frozen pytest
+
+lint: deps
+	$(UV) run --frozen ruff check .
+	$(UV) run --frozen ruff format --check .
+	$(UV) run --frozen mypy .
+
+## The benchmark (not part of the test suite): see README.
+bench: deps
+	$(UV) run --frozen python -m bench.api

@@ -1,0 +1,100 @@
+"""Run the whole ledger on one machine: web (gunicorn), Celery worker and beat.
+
+    python -m ledger.run            (what `make run` does)
+
+With no DATABASE_URL it starts the embedded PostgreSQL from the pgserver wheel under
+.data/pg; with no CELERY_BROKER_URL the worker and beat use Kombu's filesystem
+broker under .data/broker. Both are the settings' defaults, so `manage.py` commands
+run beside it reach the same database and broker. Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+
+BIND = os.environ.get("LEDGER_BIND", "127.0.0.1:8000")
+
+
+def start_embedded_postgres() -> object:
+    import pgserver  # only needed on embedded defaults
+
+    from ledger import settings
+
+    settings.EMBEDDED_PG_DIR.mkdir(parents=True, exist_ok=True)
+    server = pgserver.get_server(settings.EMBEDDED_PG_DIR, cleanup_mode="stop")
+    exists = server.psql("SELECT 1 FROM pg_database WHERE datname = 'ledger';")
+    if "(1 row)" not in exists:
+        server.psql("CREATE DATABASE ledger;")
+    print(f"embedded PostgreSQL ready in {settings.EMBEDDED_PG_DIR}", flush=True)
+    return server
+
+
+def manage(*args: str) -> None:
+    subprocess.run([sys.executable, "manage.py", *args], check=True)
+
+
+def main() -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ledger.settings")
+    server = None if "DATABASE_URL" in os.environ else start_embedded_postgres()
+    if "CELERY_BROKER_URL" not in os.environ:
+        from ledger import settings
+
+        for folder in ("queue", "control"):
+            (settings.EMBEDDED_BROKER_DIR / folder).mkdir(parents=True, exist_ok=True)
+    manage("migrate", "--no-input")
+    manage("collectstatic", "--no-input", "--verbosity", "0")
+    python = sys.executable
+    commands = {
+        "web": [
+            python, "-m", "gunicorn", "ledger.wsgi", "--bind", BIND,
+            "--worker-class", "gthread", "--workers", os.environ.get("WEB_WORKERS", "2"),
+            "--threads", os.environ.get("WEB_THREADS", "8"), "--access-logfile", "-",
+        ],
+        "worker": [
+            python, "-m", "celery", "-A", "ledger", "worker", "--loglevel", "INFO",
+            "--concurrency", os.environ.get("WORKER_CONCURRENCY", "2"),
+        ],
+        "beat": [python, "-m", "celery", "-A", "ledger", "beat", "--loglevel", "INFO"],
+    }  # fmt: skip
+    children = {name: subprocess.Popen(command) for name, command in commands.items()}
+    print(
+        f"ledger running: http://{BIND}/api/docs/ (web), Celery worker and beat. "
+        "Create a runtime token with `uv run python manage.py create_runtime NAME`. "
+        "Ctrl-C stops.",
+        flush=True,
+    )
+
+    stopping = False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    exit_code = 0
+    while not stopping:
+        for name, child in children.items():
+            if child.poll() is not None:
+                print(f"{name} exited with {child.returncode}; stopping the ledger", flush=True)
+                exit_code, stopping = 1, True
+        time.sleep(0.5)
+    for child in children.values():
+        if child.poll() is None:
+            child.terminate()
+    for child in children.values():
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    del server  # pgserver stops the embedded PostgreSQL when the last user lets go
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

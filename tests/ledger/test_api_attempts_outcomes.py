@@ -1,0 +1,173 @@
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+from ledger import chain
+from ledger.models import Capability, Event, Invocation, Outcome
+from tests.conftest import Api
+
+
+@pytest.fixture
+def in_flight(api: Api, refund: Capability) -> Api:
+    assert api.intent(attempt_id="a1")[0] == 201
+    return api
+
+
+def test_a_success_is_terminal(in_flight: Api) -> None:
+    status, body = in_flight.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-9")
+    assert status == 201
+    assert (body["status"], body["next_action"], body["retryable"]) == ("succeeded", "none", False)
+    assert Outcome.objects.get().business_reference == "RF-9"
+
+
+def test_lost_evidence_refuses_a_new_attempt_with_the_typed_state(in_flight: Api) -> None:
+    status, body = in_flight.outcome("inv-1", "a1", kind="post_dispatch_evidence_failed")
+    assert status == 201
+    assert body["failure_class"] == "post_dispatch_evidence_failed"
+    assert (body["retryable"], body["reconciliation_required"]) == (False, True)
+    events_before = Event.objects.count()
+    status, body = in_flight.attempt("inv-1", "a2")
+    assert status == 409
+    assert body["error"]["type"] == "attempt_refused"
+    state = body["error"]["details"]["state"]
+    assert (state["retryable"], state["reconciliation_required"]) == (False, True)
+    assert state["next_action"] == "reconcile"
+    assert Event.objects.count() == events_before
+
+
+def test_a_readonly_capability_may_retry_after_lost_evidence(api: Api, lookup: Capability) -> None:
+    api.intent(capability="order.read", attempt_id="a1")
+    status, body = api.outcome("inv-1", "a1", kind="post_dispatch_evidence_failed")
+    assert (status, body["status"], body["retryable"]) == (201, "retry_allowed", True)
+    assert api.attempt("inv-1", "a2")[0] == 201
+
+
+def test_a_second_attempt_while_one_is_in_flight_is_refused(in_flight: Api) -> None:
+    status, body = in_flight.attempt("inv-1", "a2")
+    assert (status, body["error"]["type"]) == (409, "attempt_in_flight")
+
+
+def test_a_retryable_business_failure_admits_a_new_attempt_under_the_same_key(
+    in_flight: Api,
+) -> None:
+    _, body = in_flight.outcome("inv-1", "a1", kind="business_failed", retryable=True)
+    assert body["status"] == "retry_allowed"
+    status, body = in_flight.attempt("inv-1", "a2")
+    assert (status, body["status"]) == (201, "in_flight")
+    assert Invocation.objects.get().attempt_count == 2
+
+
+def test_a_replayed_attempt_and_outcome_change_nothing(in_flight: Api) -> None:
+    assert in_flight.attempt("inv-1", "a1")[0] == 200
+    first = in_flight.outcome("inv-1", "a1", kind="succeeded", result={"refund": "RF-1"})
+    events = Event.objects.count()
+    replay = in_flight.outcome("inv-1", "a1", kind="succeeded", result={"refund": "RF-1"})
+    assert replay == (200, first[1])
+    assert Event.objects.count() == events
+    assert Outcome.objects.count() == 1
+
+
+def test_a_different_outcome_for_the_same_attempt_is_kept_as_a_flagged_claim(
+    in_flight: Api,
+) -> None:
+    in_flight.outcome("inv-1", "a1", kind="succeeded")
+    status, body = in_flight.outcome("inv-1", "a1", kind="business_failed")
+    assert (status, body["error"]["type"]) == (409, "outcome_conflict")
+    assert body["error"]["details"]["fields"] == ["kind"]
+    invocation = Invocation.objects.get()
+    assert invocation.flags == ["evidence_conflict"]
+    assert Outcome.objects.get().kind == "succeeded"
+    claim = invocation.events.get(kind="outcome_conflict")
+    assert claim.data["claimed"]["kind"] == "business_failed"
+
+
+def test_a_result_is_digested_and_masked(in_flight: Api) -> None:
+    result = {"refund_id": "RF-1", "token": "tok_live"}
+    in_flight.outcome("inv-1", "a1", kind="succeeded", result=result)
+    outcome = Outcome.objects.get()
+    assert outcome.result == {"refund_id": "RF-1", "token": "[redacted]"}
+    assert outcome.result_digest == chain.digest(result)
+
+
+def test_an_outcome_for_an_unknown_attempt_is_not_found(in_flight: Api) -> None:
+    status, body = in_flight.outcome("inv-1", "a9", kind="succeeded")
+    assert (status, body["error"]["type"]) == (404, "not_found")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"kind": "exploded"},
+        {"kind": "succeeded", "retryable": True},
+        {"kind": "succeeded", "retryable": "yes"},
+        {"kind": "succeeded", "error": {"code": 5}},
+        {},
+    ],
+)
+def test_a_bad_outcome_is_refused_and_changes_nothing(in_flight: Api, body: dict) -> None:
+    events = Event.objects.count()
+    status, answer = in_flight.outcome("inv-1", "a1", **body)
+    assert (status, answer["error"]["type"]) == (400, "validation_failed")
+    assert Event.objects.count() == events
+    assert Invocation.objects.get().status == "in_flight"
+
+
+def test_a_late_outcome_after_a_flag_completes_the_evidence(in_flight: Api) -> None:
+    from ledger.services import flag_missing_evidence
+
+    invocation = Invocation.objects.get()
+    assert flag_missing_evidence(invocation_pk=invocation.pk, now=invocation.deadline_at)
+    _, body = in_flight.get("/api/v1/invocations/inv-1")
+    assert (body["status"], body["cause"]) == ("reconciliation_required", "evidence_missing")
+    status, body = in_flight.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    assert (status, body["status"]) == (201, "succeeded")
+    kinds = list(Invocation.objects.get().events.order_by("seq").values_list("kind", flat=True))
+    assert kinds[-2:] == ["evidence_missing", "late_outcome_recorded"]
+
+
+def test_the_sweeper_flags_only_overdue_attempts(in_flight: Api) -> None:
+    from ledger.services import flag_missing_evidence
+
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None
+    early = deadline - dt.timedelta(seconds=1)
+    assert not flag_missing_evidence(invocation_pk=Invocation.objects.get().pk, now=early)
+    assert Invocation.objects.get().status == "in_flight"
+
+
+def test_the_detail_shows_attempts_outcomes_and_a_verifiable_chain(in_flight: Api) -> None:
+    in_flight.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    status, body = in_flight.get("/api/v1/invocations/inv-1")
+    assert status == 200
+    assert body["attempts"][0]["outcome"]["business_reference"] == "RF-1"
+    prev = chain.GENESIS_HASH
+    for event in body["events"]:
+        assert event["prev_hash"] == prev
+        prev = event["hash"]
+    invocation = Invocation.objects.get()
+    assert invocation.head_hash == prev
+    from ledger.services import event_body
+
+    for event in invocation.events.order_by("seq"):
+        assert chain.event_hash(event.prev_hash, event_body(event, "inv-1")) == event.hash
+
+
+def test_the_listing_is_keyset_paginated_and_filtered(api: Api, refund: Capability) -> None:
+    for n in range(5):
+        api.intent(
+            invocation_id=f"inv-{n}",
+            idempotency_key=f"k{n}",
+            task_id="t-even" if n % 2 == 0 else "t-odd",
+        )
+    status, page = api.get("/api/v1/invocations", limit=2)
+    assert [row["invocation_id"] for row in page["results"]] == ["inv-0", "inv-1"]
+    response = api.client.get(page["next"], headers=api.headers())
+    assert [r["invocation_id"] for r in response.json()["results"]] == ["inv-2", "inv-3"]
+    _, filtered = api.get("/api/v1/invocations", task_id="t-even")
+    assert [r["invocation_id"] for r in filtered["results"]] == ["inv-0", "inv-2", "inv-4"]
+    _, none = api.get("/api/v1/invocations", status="succeeded")
+    assert none == {"results": [], "next": None}
+    status, bad = api.get("/api/v1/invocations", status="bogus")
+    assert (status, bad["error"]["type"]) == (400, "validation_failed")

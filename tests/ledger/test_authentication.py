@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from django.test import Client
+
+from ledger.models import Capability, Invocation, Runtime, RuntimeToken
+from tests.conftest import Api, intent_body
+
+
+@pytest.mark.parametrize(
+    "header",
+    [None, "Bearer", "Bearer ilr_nope_nope", "Token abc", "Bearer not-a-token", "Bearer ilr__x"],
+)
+def test_it_refuses_missing_and_unknown_tokens(
+    db: None, client: Client, header: str | None
+) -> None:
+    headers = {"Authorization": header} if header else {}
+    response = client.post(
+        "/api/v1/intents", intent_body(), content_type="application/json", headers=headers
+    )
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "unauthenticated"
+    assert response["WWW-Authenticate"] == "Bearer"
+    assert Invocation.objects.count() == 0
+
+
+def test_a_revoked_token_is_refused(api: Api, refund: Capability) -> None:
+    assert api.intent()[0] == 201
+    call_command("revoke_token", api.token)
+    status, body = api.intent(invocation_id="inv-2", idempotency_key="k2")
+    assert (status, body["error"]["type"]) == (401, "unauthenticated")
+    assert Invocation.objects.count() == 1
+
+
+def test_a_token_with_the_right_prefix_and_wrong_secret_is_refused(api: Api) -> None:
+    prefix = RuntimeToken.split(api.token)
+    forged = Api(api.client, f"ilr_{prefix}_{'A' * 43}")
+    assert forged.intent()[0] == 401
+
+
+def test_tokens_are_stored_hashed(api: Api) -> None:
+    row = RuntimeToken.objects.get()
+    assert api.token not in (row.prefix, row.digest)
+    assert row.digest == RuntimeToken.hash(api.token)
+
+
+def test_another_runtimes_invocation_is_not_found(api: Api, api_b: Api, refund: Capability) -> None:
+    api.intent(attempt_id="a1")
+    for status, body in [
+        api_b.get("/api/v1/invocations/inv-1"),
+        api_b.attempt("inv-1", "a2"),
+        api_b.outcome("inv-1", "a1", kind="succeeded"),
+    ]:
+        assert (status, body["error"]["type"]) == (404, "not_found")
+    assert api_b.get("/api/v1/invocations")[1]["results"] == []
+    assert Invocation.objects.get().status == "in_flight"
+
+
+def test_another_runtime_cannot_reuse_an_invocation_id(
+    api: Api, api_b: Api, refund: Capability
+) -> None:
+    api.intent()
+    status, body = api_b.intent(idempotency_key="other")
+    assert (status, body["error"]["type"]) == (409, "intent_conflict")
+    assert body["error"]["details"] == {}
+
+
+def test_create_runtime_prints_a_working_token_on_its_last_line(
+    db: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    call_command("create_runtime", "billing-agent")
+    token = capsys.readouterr().out.strip().splitlines()[-1]
+    assert Runtime.objects.filter(name="billing-agent").exists()
+    assert Api(Client(), token).intent()[0] == 201
+
+
+def test_create_runtime_refuses_a_duplicate_name_without_add_token(db: None) -> None:
+    from django.core.management.base import CommandError
+
+    call_command("create_runtime", "dup")
+    with pytest.raises(CommandError):
+        call_command("create_runtime", "dup")
+    call_command("create_runtime", "dup", add_token=True)
+    assert RuntimeToken.objects.filter(runtime__name="dup").count() == 2
+
+
+def test_a_throttled_token_gets_429_with_retry_after(
+    api: Api, refund: Capability, settings: object
+) -> None:
+    from django.core.cache import cache
+
+    from ledger.api.throttling import RuntimeTokenThrottle
+
+    cache.clear()
+    original = RuntimeTokenThrottle.THROTTLE_RATES
+    RuntimeTokenThrottle.THROTTLE_RATES = {"runtime": "2/min"}
+    try:
+        assert api.get("/api/v1/invocations")[0] == 200
+        assert api.get("/api/v1/invocations")[0] == 200
+        response = api.client.get("/api/v1/invocations", headers=api.headers())
+    finally:
+        RuntimeTokenThrottle.THROTTLE_RATES = original
+        cache.clear()
+    assert response.status_code == 429
+    assert response.json()["error"]["type"] == "rate_limited"
+    assert int(response["Retry-After"]) > 0

@@ -1,0 +1,94 @@
+"""The database refuses to lose or rewrite evidence, and an unreachable or dying
+database costs the runtime a typed 503, never a half-written record."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection, connections
+from django.db.utils import InternalError, ProgrammingError
+
+from ledger.models import Attempt, Capability, Event, Invocation
+from tests.conftest import Api
+
+
+@pytest.mark.parametrize("table", ["ledger_event", "ledger_attempt", "ledger_outcome"])
+@pytest.mark.parametrize("statement", ["UPDATE {table} SET id = id", "DELETE FROM {table}"])
+def test_postgres_refuses_to_rewrite_evidence(
+    api: Api, refund: Capability, table: str, statement: str
+) -> None:
+    api.intent(attempt_id="a1")
+    api.outcome("inv-1", "a1", kind="succeeded")
+    with (
+        pytest.raises((InternalError, ProgrammingError), match="append-only"),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute(statement.format(table=table))
+
+
+def admin_conninfo() -> str:
+    settings = connection.settings_dict
+    return psycopg.conninfo.make_conninfo(
+        host=settings["HOST"],
+        port=settings["PORT"] or 5432,
+        user=settings["USER"],
+        dbname=settings["NAME"],
+    )
+
+
+@pytest.fixture
+def unreachable_database() -> Iterator[None]:
+    """Point the app's connection at a port where nothing listens."""
+    saved = dict(connection.settings_dict)
+    connections.close_all()
+    if hasattr(connection, "close_pool"):
+        connection.close_pool()
+    connection.settings_dict.update(HOST="127.0.0.1", PORT="9")
+    try:
+        yield
+    finally:
+        connection.close()
+        if hasattr(connection, "close_pool"):
+            connection.close_pool()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_unreachable_database_answers_503_ledger_unavailable(
+    api: Api, refund: Capability, unreachable_database: None
+) -> None:
+    status, body = api.intent(attempt_id="a1")
+    assert status == 503
+    assert body["error"]["type"] == "ledger_unavailable"
+    assert "safe to send the same request again" in body["error"]["message"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_that_dies_mid_write_leaves_nothing_half_written(
+    api: Api, refund: Capability
+) -> None:
+    """The server really terminates the session between the invocation and its events."""
+
+    def kill_before_events(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if sql.startswith('INSERT INTO "ledger_event"'):
+            pid = context["connection"].connection.info.backend_pid
+            with psycopg.connect(admin_conninfo(), autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(kill_before_events):
+        status, body = api.intent(attempt_id="a1")
+    assert (status, body["error"]["type"]) == (503, "ledger_unavailable")
+    connection.close()
+    assert (Invocation.objects.count(), Attempt.objects.count(), Event.objects.count()) == (
+        0,
+        0,
+        0,
+    )
+    # The runtime resends the same request, as the error tells it to.
+    status, body = api.intent(attempt_id="a1")
+    assert (status, body["status"]) == (201, "in_flight")

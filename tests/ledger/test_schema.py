@@ -1,0 +1,92 @@
+"""The OpenAPI schema describes every response the API really gives.
+
+Schemathesis generates requests from /api/schema/ and sends them in-process to the
+WSGI app as an authenticated runtime; no answer may be a 5xx or stray from the
+schema (status codes, content types, bodies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import schemathesis
+from django.core import signals
+from django.core.cache import cache
+from django.db import close_old_connections
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from ledger.models import Capability, Runtime, RuntimeToken
+from ledger.wsgi import application
+
+# Loading needs no database: the schema view is public.
+schema = schemathesis.openapi.from_wsgi("/api/schema/", application)
+
+
+@pytest.fixture
+def in_test_transaction() -> Iterator[None]:
+    """Called as a WSGI app, Django closes the connection after each request, which
+    would end the test's transaction; the test client avoids that the same way."""
+    signals.request_started.disconnect(close_old_connections)
+    signals.request_finished.disconnect(close_old_connections)
+    try:
+        yield
+    finally:
+        signals.request_started.connect(close_old_connections)
+        signals.request_finished.connect(close_old_connections)
+
+
+@pytest.fixture
+def bearer(db: None) -> dict[str, str]:
+    Capability.objects.create(scope="refund.create")
+    _, token = RuntimeToken.issue(runtime=Runtime.objects.create(name="fuzzer"))
+    return {"Authorization": f"Bearer {token}"}
+
+
+@schema.parametrize()
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+def test_every_response_matches_the_schema(
+    case: Any, bearer: dict[str, str], in_test_transaction: None
+) -> None:
+    cache.clear()  # the per-token throttle is not what this test is about
+    case.call_and_validate(
+        headers=bearer,
+        checks=[
+            not_a_server_error,
+            status_code_conformance,
+            content_type_conformance,
+            response_schema_conformance,
+        ],
+    )
+
+
+def test_the_schema_documents_every_endpoint_and_error(client: Any) -> None:
+    document = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
+    paths = document["paths"]
+    assert set(paths) == {
+        "/api/v1/intents",
+        "/api/v1/evidence",
+        "/api/v1/invocations",
+        "/api/v1/invocations/{invocation_id}",
+        "/api/v1/invocations/{invocation_id}/attempts",
+        "/api/v1/invocations/{invocation_id}/attempts/{attempt_id}/outcome",
+    }
+    intent = paths["/api/v1/intents"]["post"]["responses"]
+    assert {"200", "201", "400", "401", "409", "413", "422", "429", "503"} <= set(intent)
+
+
+def test_the_interactive_docs_are_served_without_a_cdn(client: Any) -> None:
+    page = client.get("/api/docs/").content.decode()
+    assert "/static/drf_spectacular_sidecar/swagger-ui-dist/" in page
+    assert "cdn" not in page.lower()
