@@ -25,4 +25,4 @@ lint: deps
 
 ## The benchmark (not part of the test suite): see README.
 bench: deps
-	$(UV) run --frozen python -m bench.api
+	$(UV) run --frozen python manage.py bench

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import hashlib
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -38,36 +39,67 @@ def to_jsonable(value: Any, path: str = "$", max_depth: int = 64) -> Any:
 
     Floats that are not finite are refused: JSON has no NaN or Infinity.
     """
-    if max_depth < 0:
-        raise CanonicalizationError(path, "nested too deeply")
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
-        return value if abs(value) <= MAX_SAFE_INTEGER else str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
-        return value
-    if isinstance(value, decimal.Decimal):
-        if not value.is_finite():
-            raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
-        return str(value)
-    if isinstance(value, dt.datetime | dt.date | dt.time):
-        return value.isoformat()
-    if isinstance(value, Mapping):
-        out = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise CanonicalizationError(path, "object keys must be strings")
-            out[key] = to_jsonable(item, f"{path}.{key}", max_depth - 1)
-        return out
-    if isinstance(value, list | tuple):
-        return [to_jsonable(item, f"{path}[{i}]", max_depth - 1) for i, item in enumerate(value)]
-    raise CanonicalizationError(path, f"{type(value).__name__} is not JSON")
+    return _Prepared(value, path, max_depth).value
+
+
+class _Prepared:
+    """`value` made JSON-ready, and whether json.dumps would already write it as RFC 8785.
+
+    json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=False) writes the
+    same bytes as RFC 8785 for strings, integers, booleans and null, and sorts keys
+    the same way while they are ASCII. Floats (ECMAScript number formatting) and
+    non-ASCII keys (UTF-16 ordering) go to the rfc8785 package instead. The property
+    test in tests/ledger/test_chain.py checks the two agree.
+    """
+
+    def __init__(self, value: Any, path: str, max_depth: int) -> None:
+        self.plain = True
+        self.value = self.convert(value, path, max_depth)
+
+    def convert(self, value: Any, path: str, depth: int) -> Any:
+        if depth < 0:
+            raise CanonicalizationError(path, "nested too deeply")
+        if value is None or isinstance(value, bool | str):
+            return value
+        if isinstance(value, int):
+            return value if abs(value) <= MAX_SAFE_INTEGER else str(value)
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
+            self.plain = False
+            return value
+        if isinstance(value, Mapping):
+            out = {}
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise CanonicalizationError(path, "object keys must be strings")
+                if not key.isascii():
+                    self.plain = False
+                out[key] = self.convert(item, f"{path}.{key}", depth - 1)
+            return out
+        if isinstance(value, list | tuple):
+            return [self.convert(item, f"{path}[{i}]", depth - 1) for i, item in enumerate(value)]
+        if isinstance(value, decimal.Decimal):
+            if not value.is_finite():
+                raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
+            return str(value)
+        if isinstance(value, dt.datetime | dt.date | dt.time):
+            return value.isoformat()
+        raise CanonicalizationError(path, f"{type(value).__name__} is not JSON")
 
 
 def canonical(value: Any) -> bytes:
-    return rfc8785.dumps(to_jsonable(value))
+    """RFC 8785 (JSON Canonicalization Scheme) bytes of `value`."""
+    prepared = _Prepared(value, "$", 64)
+    try:
+        if prepared.plain:
+            text = json.dumps(
+                prepared.value, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+            )
+            return text.encode()
+        return rfc8785.dumps(prepared.value)
+    except (UnicodeEncodeError, rfc8785.CanonicalizationError) as exc:
+        raise CanonicalizationError("$", f"not representable as canonical JSON: {exc}") from None
 
 
 def digest(value: Any) -> str:

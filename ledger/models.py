@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.db import models
+from django.db import connection, models
 from django.db.models import Q
 from django.utils import timezone
 
@@ -125,6 +125,31 @@ class RuntimeToken(models.Model):
             return None
         return parts[1]
 
+    @classmethod
+    def active_by_prefix(cls, prefix: str) -> RuntimeToken | None:
+        """The unrevoked token with this prefix, with its runtime.
+
+        Every API request asks this, so it is one plain query rather than an ORM
+        one (whose Python costs more than the query itself).
+        """
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT t.id, t.digest, r.id, r.name FROM ledger_runtimetoken t "
+                "JOIN ledger_runtime r ON r.id = t.runtime_id "
+                "WHERE t.prefix = %s AND t.revoked_at IS NULL",
+                [prefix],
+            )
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        token_id, digest, runtime_id, runtime_name = row
+        return cls(
+            id=token_id,
+            prefix=prefix,
+            digest=digest,
+            runtime=Runtime(id=runtime_id, name=runtime_name),
+        )
+
     def matches(self, token: str) -> bool:
         return hmac.compare_digest(self.digest, self.hash(token))
 
@@ -148,11 +173,20 @@ class Invocation(models.Model):
     changes in the same transaction that appends the event explaining the change.
     """
 
-    invocation_id = models.CharField(max_length=128, unique=True)
-    runtime = models.ForeignKey(Runtime, on_delete=models.PROTECT, related_name="invocations")
+    invocation_id = models.CharField(max_length=128)
+    # Indexed through invocation_runtime_task; a capability is never deleted while
+    # invocations refer to it, so its own index would only slow every intent down.
+    runtime = models.ForeignKey(
+        Runtime, on_delete=models.PROTECT, related_name="invocations", db_index=False
+    )
     task_id = models.CharField(max_length=128)
     capability = models.ForeignKey(
-        Capability, on_delete=models.PROTECT, null=True, blank=True, related_name="invocations"
+        Capability,
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="invocations",
+        db_index=False,
     )
     capability_scope = models.CharField(max_length=160)
     subject = models.CharField(max_length=256, blank=True)
@@ -191,6 +225,8 @@ class Invocation(models.Model):
 
     class Meta:
         constraints = [
+            # A constraint, not unique=True, which would add a second (LIKE) index.
+            models.UniqueConstraint(fields=["invocation_id"], name="invocation_id_unique"),
             # One business intent per (capability, idempotency key), across runtimes.
             models.UniqueConstraint(
                 fields=["capability_scope", "idempotency_key"], name="invocation_scope_key_unique"
@@ -261,7 +297,10 @@ class Invocation(models.Model):
 class Attempt(models.Model):
     """One transport attempt; immutable once admitted."""
 
-    invocation = models.ForeignKey(Invocation, on_delete=models.PROTECT, related_name="attempts")
+    # Indexed through attempt_id_unique.
+    invocation = models.ForeignKey(
+        Invocation, on_delete=models.PROTECT, related_name="attempts", db_index=False
+    )
     attempt_id = models.CharField(max_length=128)
     number = models.PositiveSmallIntegerField()
     admitted_at = models.DateTimeField(default=timezone.now)
@@ -303,7 +342,10 @@ class Event(models.Model):
     and DELETE on this table (see migration 0002).
     """
 
-    invocation = models.ForeignKey(Invocation, on_delete=models.PROTECT, related_name="events")
+    # Indexed through event_seq_unique.
+    invocation = models.ForeignKey(
+        Invocation, on_delete=models.PROTECT, related_name="events", db_index=False
+    )
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=48)
     actor = models.CharField(max_length=160)

@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
-from ledger import chain, policy
+from ledger import chain, policy, store
 from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runtime
 
 log = logging.getLogger(__name__)
 
-RACE_RETRIES = 3
+RACE_RETRIES = 5
 PROJECTION_FIELDS = [
     "status",
     "failure_class",
@@ -91,7 +89,7 @@ class OutcomeInput:
     retryable: bool = False
     business_reference: str = ""
     result: Any = None
-    has_result: bool = False
+    result_digest: str = ""  # set when a result was sent
     error_code: str = ""
     error_message: str = ""
     completed_at: dt.datetime | None = None
@@ -156,46 +154,34 @@ class _Work:
     capabilities: dict[str, Capability | None] = field(default_factory=dict)
     new_invocations: list[Invocation] = field(default_factory=list)
     new_attempts: list[Attempt] = field(default_factory=list)
-    new_outcomes: list[Outcome] = field(default_factory=list)
-    new_events: list[Event] = field(default_factory=list)
+    # With the owner's invocation_id, the attempt_id and, if already stored, its pk.
+    new_outcomes: list[tuple[Outcome, str, str, int | None]] = field(default_factory=list)
+    new_events: list[tuple[Event, str]] = field(default_factory=list)
     dirty: dict[str, Invocation] = field(default_factory=dict)
+    read_event_count: dict[str, int] = field(default_factory=dict)
 
     # Loading ---------------------------------------------------------------
 
-    def load(self, items: Sequence[EvidenceInput]) -> None:
-        ids = {item.invocation_id for item in items}
+    def load_items(self, items: Sequence[EvidenceInput]) -> None:
         intents = [item for item in items if isinstance(item, IntentInput)]
-        scopes = {item.capability for item in intents}
-        if scopes:
-            found = {c.scope: c for c in Capability.objects.filter(scope__in=scopes)}
-            self.capabilities = {scope: found.get(scope) for scope in scopes}
-        condition = Q(invocation_id__in=ids)
-        if intents:
-            condition |= Q(
-                capability_scope__in=scopes,
-                idempotency_key__in={item.idempotency_key for item in intents},
-            )
-        # Ordered locks: two batches touching the same rows never deadlock.
-        rows = list(
-            Invocation.objects.filter(condition)
-            .select_related("runtime", "capability")
-            .select_for_update(of=("self",))
-            .order_by("pk")
+        self.load(
+            ids={item.invocation_id for item in items},
+            scopes={item.capability for item in intents},
+            keys={item.idempotency_key for item in intents},
         )
-        for row in rows:
-            self._remember(row)
-        if rows and (len(items) > 1 or not intents or intents[0].attempt_id):
-            self._load_attempts(rows)
 
-    def _load_attempts(self, rows: Iterable[Invocation]) -> None:
-        by_pk = {row.pk: row for row in rows}
-        for attempt in Attempt.objects.filter(invocation__in=by_pk).select_related("outcome"):
-            invocation = by_pk[attempt.invocation_id]  # type: ignore[attr-defined]
-            attempt.invocation = invocation
-            self.attempts[invocation.invocation_id][attempt.attempt_id] = attempt
-            outcome = getattr(attempt, "outcome", None)
-            if outcome is not None:
-                self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
+    def load(self, *, ids: set[str], scopes: set[str] = set(), keys: set[str] = set()) -> None:  # noqa: B006
+        loaded = store.load(ids=ids, scopes=scopes, keys=keys)
+        found = {capability.scope: capability for capability in loaded.capabilities}
+        self.capabilities = {scope: found.get(scope) for scope in scopes}
+        for invocation, attempts in loaded.invocations:
+            self._remember(invocation)
+            self.read_event_count[invocation.invocation_id] = invocation.event_count
+            for attempt, outcome in attempts:
+                attempt.invocation = invocation
+                self.attempts[invocation.invocation_id][attempt.attempt_id] = attempt
+                if outcome is not None:
+                    self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
 
     def _remember(self, invocation: Invocation) -> None:
         self.invocations[invocation.invocation_id] = invocation
@@ -228,19 +214,25 @@ class _Work:
         event.hash = chain.event_hash(event.prev_hash, event_body(event, invocation.invocation_id))
         invocation.head_hash = event.hash
         invocation.updated_at = self.now
-        self.new_events.append(event)
+        self.new_events.append((event, invocation.invocation_id))
         if invocation.pk is not None:
             self.dirty[invocation.invocation_id] = invocation
 
     def flush(self) -> None:
-        # Parents first: bulk_create fills in the children's foreign keys from the
-        # primary keys PostgreSQL returned for their parents.
-        Invocation.objects.bulk_create(self.new_invocations)
-        Attempt.objects.bulk_create(self.new_attempts)
-        Outcome.objects.bulk_create(self.new_outcomes)
-        Event.objects.bulk_create(self.new_events)
-        if self.dirty:
-            Invocation.objects.bulk_update(self.dirty.values(), PROJECTION_FIELDS)
+        if not (self.new_invocations or self.dirty):
+            return
+        store.write(
+            store.Writes(
+                new_invocations=self.new_invocations,
+                updated=[
+                    (row, self.read_event_count[invocation_id])
+                    for invocation_id, row in self.dirty.items()
+                ],
+                new_attempts=self.new_attempts,
+                new_outcomes=self.new_outcomes,
+                new_events=self.new_events,
+            )
+        )
 
 
 def event_body(event: Event, invocation_id: str) -> dict[str, Any]:
@@ -346,11 +338,11 @@ def _intent_differences(
 def _apply_intent(work: _Work, item: IntentInput) -> Applied:
     assert work.runtime is not None
     actor = runtime_actor(work.runtime)
-    arguments_digest = chain.digest(item.arguments) if item.has_arguments else item.arguments_digest
-    assert arguments_digest is not None
+    arguments_digest = item.arguments_digest
+    assert arguments_digest is not None, "the serializer digests the arguments"
     existing = work.invocations.get(item.invocation_id)
     if existing is not None:
-        if existing.runtime != work.runtime:
+        if existing.runtime_id != work.runtime.pk:  # type: ignore[attr-defined]
             raise LedgerError(
                 "intent_conflict", "this invocation_id is already used by another runtime"
             )
@@ -367,7 +359,7 @@ def _apply_intent(work: _Work, item: IntentInput) -> Applied:
     holder = work.by_key.get((item.capability, item.idempotency_key))
     if holder is not None:
         details = {"capability": item.capability, "idempotency_key": item.idempotency_key}
-        if holder.runtime == work.runtime:
+        if holder.runtime_id == work.runtime.pk:  # type: ignore[attr-defined]
             details["invocation_id"] = holder.invocation_id
         raise LedgerError(
             "idempotency_key_in_use",
@@ -438,12 +430,12 @@ def _apply_attempt(work: _Work, item: AttemptInput) -> Applied:
     return Applied(invocation, created, typed_state(invocation))
 
 
-def _outcome_claim(item: OutcomeInput, result_digest: str) -> dict[str, Any]:
+def _outcome_claim(item: OutcomeInput) -> dict[str, Any]:
     return {
         "kind": item.kind.value,
         "retryable": item.retryable,
         "business_reference": item.business_reference,
-        "result_digest": result_digest,
+        "result_digest": item.result_digest,
         "error_code": item.error_code,
     }
 
@@ -460,8 +452,7 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
             status=404,
             details={"attempt_id": item.attempt_id},
         )
-    result_digest = chain.digest(item.result) if item.has_result else ""
-    claim = _outcome_claim(item, result_digest)
+    claim = _outcome_claim(item)
     recorded = work.outcomes.get((invocation.invocation_id, item.attempt_id))
     if recorded is not None:
         kept = _outcome_claim(
@@ -471,9 +462,9 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
                 kind=policy.OutcomeKind(recorded.kind),
                 retryable=recorded.retryable,
                 business_reference=recorded.business_reference,
+                result_digest=recorded.result_digest,
                 error_code=recorded.error_code,
-            ),
-            recorded.result_digest,
+            )
         )
         if kept == claim:
             return Applied(invocation, False, typed_state(invocation))
@@ -508,15 +499,15 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
         kind=item.kind.value,
         retryable=item.retryable,
         business_reference=item.business_reference,
-        result=_stored_copy(item.result, invocation.capability) if item.has_result else None,
-        result_digest=result_digest,
+        result=_stored_copy(item.result, invocation.capability) if item.result_digest else None,
+        result_digest=item.result_digest,
         error_code=item.error_code,
         error_message=item.error_message,
         completed_at=item.completed_at,
         recorded_at=work.now,
     )
     work.outcomes[invocation.invocation_id, item.attempt_id] = outcome
-    work.new_outcomes.append(outcome)
+    work.new_outcomes.append((outcome, invocation.invocation_id, item.attempt_id, attempt.pk))
     work.event(
         invocation,
         "late_outcome_recorded" if late else "outcome_recorded",
@@ -535,25 +526,38 @@ APPLY = {IntentInput: _apply_intent, AttemptInput: _apply_attempt, OutcomeInput:
 
 
 def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[ItemResult]:
-    """Apply items in order in one transaction; one result per item."""
+    """Apply items in order, all or nothing; one result per item.
+
+    Nothing is locked while the items are applied in memory: the write checks that
+    no invocation changed since it was read, and on a lost race the whole unit is
+    read and applied again, so it answers as if it had come second.
+    """
     for attempt in range(RACE_RETRIES):
+        work = _Work(runtime=runtime, now=timezone.now())
+        work.load_items(items)
+        results: list[ItemResult] = []
+        for item in items:
+            try:
+                results.append(APPLY[type(item)](work, item))  # type: ignore[operator]
+            except LedgerError as error:
+                results.append(error)
         try:
-            with transaction.atomic():
-                work = _Work(runtime=runtime, now=timezone.now())
-                work.load(items)
-                results: list[ItemResult] = []
-                for item in items:
-                    try:
-                        results.append(APPLY[type(item)](work, item))  # type: ignore[operator]
-                    except LedgerError as error:
-                        results.append(error)
-                work.flush()
-                return results
-        except IntegrityError:
-            if attempt == RACE_RETRIES - 1:
-                raise
-            log.info("evidence race lost, reloading runtime=%s items=%d", runtime.name, len(items))
-    raise AssertionError("unreachable")
+            work.flush()
+        except store.RaceLost:
+            log.info(
+                "evidence race lost runtime=%s items=%d try=%d",
+                runtime.name,
+                len(items),
+                attempt + 1,
+            )
+            continue
+        return results
+    raise LedgerError(
+        "ledger_unavailable",
+        "The invocation kept changing under this request. Nothing was recorded; it is "
+        "safe to send the same request again.",
+        status=503,
+    )
 
 
 def _single(runtime: Runtime, item: EvidenceInput) -> Applied:
@@ -575,33 +579,41 @@ def record_outcome(*, runtime: Runtime, outcome: OutcomeInput) -> Applied:
     return _single(runtime, outcome)
 
 
-@transaction.atomic
-def flag_missing_evidence(*, invocation_pk: int, now: dt.datetime | None = None) -> bool:
+def flag_missing_evidence(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
     """Flag the in-flight attempt of an invocation past its deadline with no outcome.
 
     Returns False when there is nothing to flag (an outcome won the race, or the
     deadline moved): the sweeper may call it for any candidate, any number of times.
     """
     now = now or timezone.now()
-    invocation = (
-        Invocation.objects.select_for_update().filter(pk=invocation_pk).overdue(now).first()
-    )
-    if invocation is None:
-        return False
-    attempt_id = invocation.in_flight_attempt
-    deadline = invocation.deadline_at
-    state = policy.flag_missing_evidence(invocation.state(), invocation.hints(), attempt_id)
-    invocation.apply_state(state)
-    work = _Work(runtime=None, now=now)
-    work.event(
-        invocation,
-        "evidence_missing",
-        "ledger:sweeper",
-        {
-            "attempt_id": attempt_id,
-            "deadline_at": deadline.isoformat() if deadline else None,
-            "classified_as": policy.OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED.value,
-        },
-    )
-    work.flush()
-    return True
+    for _ in range(RACE_RETRIES):
+        work = _Work(runtime=None, now=now)
+        work.load(ids={invocation_id})
+        invocation = work.invocations.get(invocation_id)
+        if (
+            invocation is None
+            or invocation.status != policy.Status.IN_FLIGHT
+            or invocation.deadline_at is None
+            or invocation.deadline_at > now
+        ):
+            return False
+        attempt_id, deadline = invocation.in_flight_attempt, invocation.deadline_at
+        invocation.apply_state(
+            policy.flag_missing_evidence(invocation.state(), invocation.hints(), attempt_id)
+        )
+        work.event(
+            invocation,
+            "evidence_missing",
+            "ledger:sweeper",
+            {
+                "attempt_id": attempt_id,
+                "deadline_at": deadline.isoformat(),
+                "classified_as": policy.OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED.value,
+            },
+        )
+        try:
+            work.flush()
+        except store.RaceLost:
+            continue
+        return True
+    return False

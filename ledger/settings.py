@@ -99,7 +99,15 @@ def database_from_url(url: str) -> dict[str, object]:
         raise ImproperlyConfigured(f"DATABASE_URL is not a PostgreSQL URL: {exc}") from None
     if not params.get("dbname"):
         raise ImproperlyConfigured("DATABASE_URL must name a database, e.g. .../ledger")
-    options: dict[str, object] = {}
+    # Server-side binding and a prepare threshold let psycopg prepare the evidence
+    # statements (ledger/store.py) once per connection: planning them anew on each
+    # request cost more than running them. Set DATABASE_PREPARE_THRESHOLD="" behind a
+    # transaction-mode pooler such as PgBouncer, which cannot keep prepared statements.
+    threshold = os.environ.get("DATABASE_PREPARE_THRESHOLD", "2")
+    options: dict[str, object] = {
+        "server_side_binding": True,
+        "prepare_threshold": int(threshold) if threshold else None,
+    }
     if env_bool("DATABASE_POOL", True):
         options["pool"] = {
             "min_size": env_int("DATABASE_POOL_MIN", 2),

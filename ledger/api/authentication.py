@@ -23,11 +23,7 @@ class RuntimeTokenAuthentication(authentication.BaseAuthentication):
         if scheme.lower() != "bearer" or not token:
             raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <runtime token>'.")
         prefix = RuntimeToken.split(token)
-        row = (
-            RuntimeToken.objects.active().select_related("runtime").filter(prefix=prefix).first()
-            if prefix
-            else None
-        )
+        row = RuntimeToken.active_by_prefix(prefix) if prefix else None
         # One message for unknown, malformed and revoked tokens: nothing to probe.
         if row is None or not row.matches(token):
             raise exceptions.AuthenticationFailed("The token is unknown or revoked.")

@@ -127,12 +127,16 @@ class IntentSerializer(StrictSerializer):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if "arguments" in attrs:
-            digest = chain.digest(attrs["arguments"])
+            try:
+                digest = chain.digest(attrs["arguments"])
+            except chain.CanonicalizationError as exc:
+                raise serializers.ValidationError({"arguments": [str(exc)]}) from None
             sent = attrs.get("arguments_digest")
             if sent is not None and sent != digest:
                 raise serializers.ValidationError(
                     {"arguments_digest": [f"Does not match the arguments ({digest})."]}
                 )
+            attrs["arguments_digest"] = digest
         elif "arguments_digest" not in attrs:
             raise serializers.ValidationError(
                 {"arguments": ["Send the arguments, or at least their arguments_digest."]}
@@ -141,8 +145,7 @@ class IntentSerializer(StrictSerializer):
             raise serializers.ValidationError({"idempotency_key": ["May not be empty."]})
         return attrs
 
-    def to_input(self) -> IntentInput:
-        data = self.validated_data
+    def to_input(self, data: dict[str, Any]) -> IntentInput:
         return IntentInput(
             invocation_id=data["invocation_id"],
             task_id=data["task_id"],
@@ -162,10 +165,8 @@ class IntentSerializer(StrictSerializer):
 class AttemptSerializer(StrictSerializer):
     attempt_id = identifier()
 
-    def to_input(self, invocation_id: str) -> AttemptInput:
-        return AttemptInput(
-            invocation_id=invocation_id, attempt_id=self.validated_data["attempt_id"]
-        )
+    def to_input(self, data: dict[str, Any], invocation_id: str) -> AttemptInput:
+        return AttemptInput(invocation_id=invocation_id, attempt_id=data["attempt_id"])
 
 
 class ErrorDetailSerializer(StrictSerializer):
@@ -182,14 +183,18 @@ class OutcomeSerializer(StrictSerializer):
     completed_at = serializers.DateTimeField(required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "result" in attrs:
+            try:
+                attrs["result_digest"] = chain.digest(attrs["result"])
+            except chain.CanonicalizationError as exc:
+                raise serializers.ValidationError({"result": [str(exc)]}) from None
         if attrs.get("retryable") and attrs["kind"] != policy.OutcomeKind.BUSINESS_FAILED:
             raise serializers.ValidationError(
                 {"retryable": ["Only a business_failed outcome carries retryable."]}
             )
         return attrs
 
-    def to_input(self, invocation_id: str, attempt_id: str) -> OutcomeInput:
-        data = self.validated_data
+    def to_input(self, data: dict[str, Any], invocation_id: str, attempt_id: str) -> OutcomeInput:
         error = data.get("error") or {}
         return OutcomeInput(
             invocation_id=invocation_id,
@@ -198,7 +203,7 @@ class OutcomeSerializer(StrictSerializer):
             retryable=data.get("retryable", False),
             business_reference=data.get("business_reference", ""),
             result=data.get("result"),
-            has_result="result" in data,
+            result_digest=data.get("result_digest", ""),
             error_code=error.get("code", ""),
             error_message=error.get("message", ""),
             completed_at=data.get("completed_at"),
@@ -212,15 +217,24 @@ class AttemptItemSerializer(AttemptSerializer):
     type = serializers.ChoiceField(choices=["attempt"])
     invocation_id = identifier()
 
+    def item_input(self, data: dict[str, Any]) -> AttemptInput:
+        return self.to_input(data, data["invocation_id"])
+
 
 class OutcomeItemSerializer(OutcomeSerializer):
     type = serializers.ChoiceField(choices=["outcome"])
     invocation_id = identifier()
     attempt_id = identifier()
 
+    def item_input(self, data: dict[str, Any]) -> OutcomeInput:
+        return self.to_input(data, data["invocation_id"], data["attempt_id"])
+
 
 class IntentItemSerializer(IntentSerializer):
     type = serializers.ChoiceField(choices=["intent"])
+
+    def item_input(self, data: dict[str, Any]) -> IntentInput:
+        return self.to_input(data)
 
 
 # Response shapes, for the schema.

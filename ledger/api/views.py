@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Prefetch
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound, ValidationError
@@ -15,7 +16,7 @@ from rest_framework.views import APIView
 from ledger import policy, services
 from ledger.api import serializers as s
 from ledger.api.errors import error_body, exception_handler
-from ledger.models import Invocation, Runtime
+from ledger.models import Attempt, Event, Invocation, Runtime
 from ledger.services import Applied, LedgerError
 
 ERRORS = {
@@ -45,6 +46,14 @@ def runtime_of(request: Request) -> Runtime:
     return runtime
 
 
+# One instance per input shape, shared by all requests: `run_validation` keeps no
+# state on the serializer, and building a serializer's fields anew for every
+# request would cost more than the rest of the request.
+INTENT = s.IntentSerializer()
+ATTEMPT = s.AttemptSerializer()
+OUTCOME = s.OutcomeSerializer()
+
+
 def written(applied: Applied) -> Response:
     return Response(applied.state, status=201 if applied.created else 200)
 
@@ -70,11 +79,8 @@ class IntentView(APIView):
         summary="Record the write-ahead intent (and, with attempt_id, admit the first attempt)",
     )
     def post(self, request: Request) -> Response:
-        serializer = s.IntentSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        return written(
-            services.record_intent(runtime=runtime_of(request), intent=serializer.to_input())
-        )
+        intent = INTENT.to_input(INTENT.run_validation(request.data))
+        return written(services.record_intent(runtime=runtime_of(request), intent=intent))
 
 
 class AttemptView(APIView):
@@ -85,9 +91,9 @@ class AttemptView(APIView):
         summary="Ask admission for a new transport attempt",
     )
     def post(self, request: Request, invocation_id: str) -> Response:
-        serializer = s.AttemptSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        attempt = serializer.to_input(valid_path_id(invocation_id))
+        attempt = ATTEMPT.to_input(
+            ATTEMPT.run_validation(request.data), valid_path_id(invocation_id)
+        )
         return written(
             services.admit_attempt(
                 runtime=runtime_of(request),
@@ -105,9 +111,11 @@ class OutcomeView(APIView):
         summary="Report an attempt's outcome",
     )
     def post(self, request: Request, invocation_id: str, attempt_id: str) -> Response:
-        serializer = s.OutcomeSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        outcome = serializer.to_input(valid_path_id(invocation_id), valid_path_id(attempt_id))
+        outcome = OUTCOME.to_input(
+            OUTCOME.run_validation(request.data),
+            valid_path_id(invocation_id),
+            valid_path_id(attempt_id),
+        )
         return written(services.record_outcome(runtime=runtime_of(request), outcome=outcome))
 
 
@@ -172,7 +180,10 @@ class InvocationDetailView(APIView):
     def get(self, request: Request, invocation_id: str) -> Response:
         invocation = (
             Invocation.objects.for_runtime(runtime_of(request))
-            .prefetch_related("attempts__outcome", "events")
+            .prefetch_related(
+                Prefetch("attempts", Attempt.objects.order_by("number").select_related("outcome")),
+                Prefetch("events", Event.objects.order_by("seq")),
+            )
             .filter(invocation_id=valid_path_id(invocation_id))
             .first()
         )
@@ -222,10 +233,12 @@ class InvocationListView(APIView):
         return Response({"results": [services.typed_state(row) for row in page], "next": next_url})
 
 
-BATCH_ITEM_SERIALIZERS: dict[str, type[s.StrictSerializer]] = {
-    "intent": s.IntentItemSerializer,
-    "attempt": s.AttemptItemSerializer,
-    "outcome": s.OutcomeItemSerializer,
+BATCH_ITEMS: dict[
+    str, s.IntentItemSerializer | s.AttemptItemSerializer | s.OutcomeItemSerializer
+] = {
+    "intent": s.IntentItemSerializer(),
+    "attempt": s.AttemptItemSerializer(),
+    "outcome": s.OutcomeItemSerializer(),
 }
 
 
@@ -233,18 +246,10 @@ def batch_item(raw: Any) -> services.EvidenceInput:
     if not isinstance(raw, dict):
         raise ValidationError({"non_field_errors": ["Each item must be a JSON object."]})
     kind = raw.get("type")
-    serializer_class = BATCH_ITEM_SERIALIZERS.get(kind) if isinstance(kind, str) else None
-    if serializer_class is None:
+    serializer = BATCH_ITEMS.get(kind) if isinstance(kind, str) else None
+    if serializer is None:
         raise ValidationError({"type": ["Must be one of: intent, attempt, outcome."]})
-    serializer = serializer_class(data=raw)
-    serializer.is_valid(raise_exception=True)
-    data = serializer.validated_data
-    if isinstance(serializer, s.IntentItemSerializer):
-        return serializer.to_input()
-    if isinstance(serializer, s.AttemptItemSerializer):
-        return serializer.to_input(data["invocation_id"])
-    assert isinstance(serializer, s.OutcomeItemSerializer)
-    return serializer.to_input(data["invocation_id"], data["attempt_id"])
+    return serializer.item_input(serializer.run_validation(raw))
 
 
 class EvidenceView(APIView):

@@ -118,7 +118,7 @@ def test_a_late_outcome_after_a_flag_completes_the_evidence(in_flight: Api) -> N
     from ledger.services import flag_missing_evidence
 
     invocation = Invocation.objects.get()
-    assert flag_missing_evidence(invocation_pk=invocation.pk, now=invocation.deadline_at)
+    assert flag_missing_evidence(invocation_id="inv-1", now=invocation.deadline_at)
     _, body = in_flight.get("/api/v1/invocations/inv-1")
     assert (body["status"], body["cause"]) == ("reconciliation_required", "evidence_missing")
     status, body = in_flight.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
@@ -133,7 +133,7 @@ def test_the_sweeper_flags_only_overdue_attempts(in_flight: Api) -> None:
     deadline = Invocation.objects.get().deadline_at
     assert deadline is not None
     early = deadline - dt.timedelta(seconds=1)
-    assert not flag_missing_evidence(invocation_pk=Invocation.objects.get().pk, now=early)
+    assert not flag_missing_evidence(invocation_id="inv-1", now=early)
     assert Invocation.objects.get().status == "in_flight"
 
 

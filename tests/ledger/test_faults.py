@@ -3,6 +3,8 @@ database costs the runtime a typed 503, never a half-written record."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,20 +70,37 @@ def test_an_unreachable_database_answers_503_ledger_unavailable(
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_database_that_dies_mid_write_leaves_nothing_half_written(
+def test_a_database_session_killed_mid_write_leaves_nothing_half_written(
     api: Api, refund: Capability
 ) -> None:
-    """The server really terminates the session between the invocation and its events."""
+    """The server terminates the session while its evidence write is executing."""
+    admin = psycopg.connect(admin_conninfo())
 
-    def kill_before_events(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        if sql.startswith('INSERT INTO "ledger_event"'):
+    def kill_when_blocked(pid: int) -> None:
+        with psycopg.connect(admin_conninfo(), autocommit=True) as watcher:
+            for _ in range(500):
+                row = watcher.execute(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [pid]
+                ).fetchone()
+                if row and row[0] == "Lock":
+                    watcher.execute("SELECT pg_terminate_backend(%s)", [pid])
+                    return
+                time.sleep(0.01)
+
+    def kill_during_write(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if "new_invocation AS" in sql:
+            # Hold the event table so the write stops mid-flight, then kill its session.
+            admin.execute("LOCK TABLE ledger_event IN ACCESS EXCLUSIVE MODE")
             pid = context["connection"].connection.info.backend_pid
-            with psycopg.connect(admin_conninfo(), autocommit=True) as admin:
-                admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+            threading.Thread(target=kill_when_blocked, args=(pid,)).start()
         return execute(sql, params, many, context)
 
-    with connection.execute_wrapper(kill_before_events):
-        status, body = api.intent(attempt_id="a1")
+    try:
+        with connection.execute_wrapper(kill_during_write):
+            status, body = api.intent(attempt_id="a1")
+    finally:
+        admin.rollback()
+        admin.close()
     assert (status, body["error"]["type"]) == (503, "ledger_unavailable")
     connection.close()
     assert (Invocation.objects.count(), Attempt.objects.count(), Event.objects.count()) == (

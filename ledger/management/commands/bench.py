@@ -1,0 +1,347 @@
+"""The hot-path benchmark: the API under gunicorn against raw psycopg on one database.
+
+    uv run python manage.py bench  (make bench)
+
+It creates a scratch database `<name>_bench` beside the configured one, migrates it,
+serves the API from it with gunicorn (gthread), and in the same run measures:
+
+- raw: single-row INSERT + COMMIT of an invocation-sized row with psycopg — the
+  physical limit of a durable write on this machine;
+- api: runtimes that record an intent with its first attempt, then the outcome,
+  over keep-alive HTTP, at 1 and 8 concurrent clients (separate processes);
+- batch: POST /api/v1/evidence with 1,000 intents per request.
+
+It prints a table, then the figures as JSON on the last line. Not a test: nothing
+here asserts a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+from psycopg import sql
+
+RAW_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_raw (
+    id bigserial PRIMARY KEY,
+    invocation_id varchar(128) NOT NULL UNIQUE,
+    task_id varchar(128) NOT NULL,
+    idempotency_key varchar(256) NOT NULL,
+    arguments jsonb,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+RAW_INSERT = (
+    "INSERT INTO bench_raw (invocation_id, task_id, idempotency_key, arguments) "
+    "VALUES (%s, %s, %s, %s)"
+)
+ARGUMENTS = {"order": "SO-1", "amount": "12.50", "currency": "EUR", "reason": "damaged"}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summary(latencies: list[float], elapsed: float, count: int) -> dict[str, float]:
+    return {
+        "p50_ms": round(statistics.median(latencies) * 1000, 3),
+        "p99_ms": round(percentile(latencies, 0.99) * 1000, 3),
+        "per_second": round(count / elapsed, 1),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# Raw psycopg ----------------------------------------------------------------
+
+
+def raw_worker(conninfo: str, seconds: float, tag: str, queue: Any) -> None:
+    latencies = []
+    with psycopg.connect(conninfo) as conn:
+        deadline = time.perf_counter() + seconds
+        n = 0
+        while time.perf_counter() < deadline:
+            n += 1
+            key = f"{tag}-{n}"
+            started = time.perf_counter()
+            conn.execute(RAW_INSERT, (key, "task", key, json.dumps(ARGUMENTS)))
+            conn.commit()
+            latencies.append(time.perf_counter() - started)
+    queue.put(latencies)
+
+
+# API ------------------------------------------------------------------------
+
+
+class Runtime:
+    """One keep-alive HTTP connection speaking the runtime protocol."""
+
+    def __init__(self, port: int, token: str) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+    def post(self, path: str, body: Any) -> tuple[int, bytes]:
+        self.conn.request("POST", path, json.dumps(body), self.headers)
+        response = self.conn.getresponse()
+        return response.status, response.read()
+
+    def invoke(self, invocation_id: str) -> tuple[float, float]:
+        started = time.perf_counter()
+        status, body = self.post(
+            "/api/v1/intents",
+            {
+                "invocation_id": invocation_id,
+                "task_id": "bench-task",
+                "capability": "refund.create",
+                "arguments": ARGUMENTS,
+                "idempotency_key": invocation_id,
+                "attempt_id": "a1",
+            },
+        )
+        intent_done = time.perf_counter()
+        if status != 201:
+            raise RuntimeError(f"intent answered {status}: {body[:300]!r}")
+        status, body = self.post(
+            f"/api/v1/invocations/{invocation_id}/attempts/a1/outcome",
+            {"kind": "succeeded", "business_reference": f"RF-{invocation_id}"},
+        )
+        if status != 201:
+            raise RuntimeError(f"outcome answered {status}: {body[:300]!r}")
+        return intent_done - started, time.perf_counter() - intent_done
+
+
+def api_worker(port: int, token: str, seconds: float, tag: str, queue: Any) -> None:
+    runtime = Runtime(port, token)
+    intents, outcomes = [], []
+    deadline = time.perf_counter() + seconds
+    n = 0
+    while time.perf_counter() < deadline:
+        n += 1
+        intent, outcome = runtime.invoke(f"{tag}-{n}")
+        intents.append(intent)
+        outcomes.append(outcome)
+    queue.put((intents, outcomes))
+
+
+def run_clients(
+    target: Callable[..., None], clients: int, args: tuple[Any, ...], seconds: float
+) -> tuple[list[Any], float]:
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    run_tag = uuid.uuid4().hex[:8]
+    processes = [
+        ctx.Process(target=target, args=(*args, seconds, f"{run_tag}-{i}", queue))
+        for i in range(clients)
+    ]
+    started = time.perf_counter()
+    for process in processes:
+        process.start()
+    results = [queue.get(timeout=seconds + 120) for _ in processes]
+    elapsed = time.perf_counter() - started
+    for process in processes:
+        process.join()
+        if process.exitcode:
+            raise RuntimeError(f"a client exited with {process.exitcode}")
+    return results, elapsed
+
+
+class Command(BaseCommand):
+    help = "Benchmark the runtime API against raw PostgreSQL inserts (see module docstring)."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+        parser.add_argument("--web-workers", type=int, default=2)
+        parser.add_argument("--web-threads", type=int, default=8)
+        parser.add_argument("--batches", type=int, default=10, help="1,000-item batches")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        seconds = options["seconds"]
+        database = settings.DATABASES["default"]
+        bench_db = f"{database['NAME']}_bench"
+        admin = psycopg.conninfo.make_conninfo(
+            host=str(database["HOST"]) or None,
+            port=str(database["PORT"]) or None,
+            user=str(database["USER"]) or None,
+            password=str(database["PASSWORD"]) or None,
+            dbname="postgres",
+        )
+        bench_conninfo = psycopg.conninfo.make_conninfo(admin, dbname=bench_db)
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(bench_db))
+            )
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(bench_db)))
+        env = {**os.environ, "DATABASE_URL": self.url(database, bench_db)}
+        subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], env=env, check=True)
+        token = (
+            subprocess.run(
+                [sys.executable, "manage.py", "create_runtime", "bench"],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        with psycopg.connect(bench_conninfo, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO ledger_capability (scope, enabled, readonly, idempotent, "
+                "idempotency_verified, risk_level, subject_required, audit_sensitive, "
+                "redact_paths, declaration, created_at, updated_at) VALUES ('refund.create', "
+                "true, false, false, false, 'high', false, false, '{}', '{}', now(), now())"
+            )
+            conn.execute(RAW_TABLE)
+        results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}}
+        with self.gunicorn(env, options["web_workers"], options["web_threads"]) as port:
+            for clients in (1, 8):
+                raw, elapsed = run_clients(raw_worker, clients, (bench_conninfo,), seconds)
+                latencies = [x for chunk in raw for x in chunk]
+                results[f"raw_{clients}"] = summary(latencies, elapsed, len(latencies))
+
+                api, elapsed = run_clients(api_worker, clients, (port, token), seconds)
+                intents = [x for chunk, _ in api for x in chunk]
+                outcomes = [x for _, chunk in api for x in chunk]
+                results[f"api_{clients}"] = {
+                    "intent": summary(intents, elapsed, len(intents)),
+                    "outcome": summary(outcomes, elapsed, len(outcomes)),
+                    "writes_per_second": round((len(intents) + len(outcomes)) / elapsed, 1),
+                }
+            results["batch"] = self.batch(port, token, options["batches"])
+        raw1, raw8 = results["raw_1"], results["raw_8"]
+        results["ratios"] = {
+            "intent_p50_over_raw_p50_1_client": round(
+                results["api_1"]["intent"]["p50_ms"] / raw1["p50_ms"], 2
+            ),
+            "api_writes_per_second_over_raw_8_clients": round(
+                results["api_8"]["writes_per_second"] / raw8["per_second"], 3
+            ),
+            "batch_items_per_second_over_raw_8_clients": round(
+                results["batch"]["items_per_second"] / raw8["per_second"], 3
+            ),
+        }
+        self.report(results)
+
+    @staticmethod
+    def url(database: dict[str, Any], name: str) -> str:
+        user = database["USER"] or "postgres"
+        password = f":{database['PASSWORD']}" if database["PASSWORD"] else ""
+        host = database["HOST"] or ""
+        if host.startswith("/"):
+            return f"postgresql://{user}{password}@/{name}?host={host}"
+        port = f":{database['PORT']}" if database["PORT"] else ""
+        return f"postgresql://{user}{password}@{host}{port}/{name}"
+
+    @contextlib.contextmanager
+    def gunicorn(self, env: dict[str, str], workers: int, threads: int) -> Iterator[int]:
+        port = free_port()
+        server = subprocess.Popen(
+            [
+                sys.executable, "-m", "gunicorn", "ledger.wsgi", "--bind", f"127.0.0.1:{port}",
+                "--worker-class", "gthread", "--workers", str(workers),
+                "--threads", str(threads), "--log-level", "warning",
+            ],
+            env={**env, "LOG_LEVEL": "WARNING", "LEDGER_THROTTLE_RATE": "100000000/min"},
+        )  # fmt: skip
+        try:
+            for _ in range(100):
+                with contextlib.suppress(OSError):
+                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                    conn.request("GET", "/healthz")
+                    if conn.getresponse().status == 200:
+                        break
+                time.sleep(0.2)
+            else:
+                raise RuntimeError("gunicorn did not come up")
+            # Warm every worker's connection pool and imports before measuring.
+            run_clients(api_worker, 8, (port, self.token_for_warmup(env)), 2.0)
+            yield port
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+    @staticmethod
+    def token_for_warmup(env: dict[str, str]) -> str:
+        return (
+            subprocess.run(
+                [sys.executable, "manage.py", "create_runtime", f"warmup-{uuid.uuid4().hex[:6]}"],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+
+    @staticmethod
+    def batch(port: int, token: str, batches: int) -> dict[str, float]:
+        runtime = Runtime(port, token)
+        tag = uuid.uuid4().hex[:8]
+        items_total = 0
+        started = time.perf_counter()
+        for b in range(batches):
+            items = [
+                {
+                    "type": "intent",
+                    "invocation_id": f"batch-{tag}-{b}-{i}",
+                    "task_id": "bench-task",
+                    "capability": "refund.create",
+                    "arguments": ARGUMENTS,
+                    "idempotency_key": f"batch-{tag}-{b}-{i}",
+                    "attempt_id": "a1",
+                }
+                for i in range(1000)
+            ]
+            status, body = runtime.post("/api/v1/evidence", items)
+            if status != 207:
+                raise RuntimeError(f"batch answered {status}: {body[:300]!r}")
+            items_total += len(items)
+        elapsed = time.perf_counter() - started
+        return {"items": items_total, "items_per_second": round(items_total / elapsed, 1)}
+
+    def report(self, results: dict[str, Any]) -> None:
+        out = self.stdout.write
+        out("")
+        out(f"{'measurement':<34}{'p50 ms':>10}{'p99 ms':>10}{'per second':>14}")
+        for clients in (1, 8):
+            raw = results[f"raw_{clients}"]
+            out(
+                f"{f'raw INSERT+COMMIT, {clients} client(s)':<34}"
+                f"{raw['p50_ms']:>10}{raw['p99_ms']:>10}{raw['per_second']:>14}"
+            )
+            api = results[f"api_{clients}"]
+            for kind in ("intent", "outcome"):
+                row = api[kind]
+                out(
+                    f"{f'api {kind}, {clients} client(s)':<34}"
+                    f"{row['p50_ms']:>10}{row['p99_ms']:>10}{row['per_second']:>14}"
+                )
+            out(f"{f'api writes, {clients} client(s)':<34}{'':>20}{api['writes_per_second']:>14}")
+        out(
+            f"{'batch items (1,000 per request)':<34}{'':>20}"
+            f"{results['batch']['items_per_second']:>14}"
+        )
+        for name, value in results["ratios"].items():
+            out(f"ratio {name}: {value}")
+        out(json.dumps(results, sort_keys=True))
