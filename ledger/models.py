@@ -40,7 +40,12 @@ class Capability(models.Model):
     max_attempts = models.PositiveSmallIntegerField(null=True, blank=True)
     # Argument paths (dotted) masked in the stored copy, on top of secret-looking keys.
     redact_paths = ArrayField(models.CharField(max_length=200), default=list, blank=True)
+    # How reconciliation asks the business system what happened (README: probes).
+    probe = models.JSONField(default=dict, blank=True)
+    # The ACC declaration in force, and its version (1, 2, …; 0: none imported yet).
+    # The fields above that ACC defines are derived from it by the registry.
     declaration = models.JSONField(default=dict, blank=True)
+    version = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -62,6 +67,30 @@ class Capability(models.Model):
             idempotency_verified=self.idempotency_verified,
             max_attempts=self.max_attempts or settings.LEDGER_DEFAULT_MAX_ATTEMPTS,
         )
+
+
+class CapabilityDeclaration(models.Model):
+    """Every ACC declaration a capability ever had; never changed once written."""
+
+    capability = models.ForeignKey(
+        Capability, on_delete=models.PROTECT, related_name="declarations"
+    )
+    version = models.PositiveIntegerField()
+    declaration = models.JSONField()
+    source = models.CharField(max_length=200)
+    actor = models.CharField(max_length=160)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["capability", "version"], name="capability_declaration_version_unique"
+            ),
+        ]
+        ordering = ["capability", "-version"]
+
+    def __str__(self) -> str:
+        return f"{self.capability} v{self.version}"
 
 
 class Runtime(models.Model):
@@ -189,6 +218,8 @@ class Invocation(models.Model):
         db_index=False,
     )
     capability_scope = models.CharField(max_length=160)
+    # The declaration version that governed this invocation (None: undeclared).
+    capability_version = models.PositiveIntegerField(null=True, blank=True)
     subject = models.CharField(max_length=256, blank=True)
     idempotency_key = models.CharField(max_length=256)
     # Never the raw arguments: a copy with secret-looking keys and the capability's

@@ -21,6 +21,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from ledger import chain, policy, store
+from ledger.capabilities import approval_needed
 from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runtime
 
 log = logging.getLogger(__name__)
@@ -315,8 +316,9 @@ def _governance(item: IntentInput, capability: Capability | None) -> list[str]:
             status=422,
             details={"subject": ["This capability requires a subject."]},
         )
-    approval = capability.declaration.get("approval") or {}
-    if approval.get("required") is True and not item.approval:
+    if not item.approval and approval_needed(
+        capability, item.arguments, has_arguments=item.has_arguments
+    ):
         return [policy.Flag.APPROVAL_MISSING.value]
     return []
 
@@ -376,6 +378,7 @@ def _apply_intent(work: _Work, item: IntentInput) -> Applied:
         task_id=item.task_id,
         capability=capability,
         capability_scope=item.capability,
+        capability_version=capability.version if capability else None,
         subject=item.subject,
         idempotency_key=item.idempotency_key,
         arguments=_stored_copy(item.arguments, capability) if item.has_arguments else None,
@@ -404,6 +407,7 @@ def _apply_intent(work: _Work, item: IntentInput) -> Applied:
         {
             "task_id": item.task_id,
             "capability": item.capability,
+            "capability_version": invocation.capability_version,
             "subject": item.subject,
             "idempotency_key": item.idempotency_key,
             "arguments_digest": arguments_digest,

@@ -8,6 +8,7 @@ app_name = "api"
 urlpatterns = [
     path("intents", views.IntentView.as_view(), name="intents"),
     path("evidence", views.EvidenceView.as_view(), name="evidence"),
+    path("capabilities", views.CapabilityView.as_view(), name="capabilities"),
     path("invocations", views.InvocationListView.as_view(), name="invocations"),
     path(
         "invocations/<str:invocation_id>",

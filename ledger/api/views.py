@@ -8,14 +8,17 @@ from django.conf import settings
 from django.db.models import Prefetch
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
+from rest_framework.authentication import BasicAuthentication, SessionAuthentication
 from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from ledger import policy, services
+from ledger import acc, policy, services
 from ledger.api import serializers as s
 from ledger.api.errors import error_body, exception_handler
+from ledger.capabilities import Registered, capability_register
 from ledger.models import Attempt, Event, Invocation, Runtime
 from ledger.services import Applied, LedgerError
 
@@ -304,3 +307,65 @@ def validation_body(exc: ValidationError) -> dict[str, Any]:
     response = exception_handler(exc, {})
     assert response is not None
     return response.data  # type: ignore[no-any-return]
+
+
+class DeclarationSerializer(s.StrictSerializer):
+    declaration = serializers.JSONField()
+    http_method = serializers.ChoiceField(
+        choices=[m.upper() for m in acc.HTTP_METHODS], required=False
+    )
+
+
+class CapabilityOutSerializer(serializers.Serializer):
+    scope = serializers.CharField()
+    version = serializers.IntegerField()
+    outcome = serializers.ChoiceField(choices=[r.value for r in Registered])
+    enabled = serializers.BooleanField()
+    risk = serializers.CharField()
+    readonly = serializers.BooleanField()
+    audit_sensitive = serializers.BooleanField()
+
+
+class CapabilityView(APIView):
+    """Administrators post ACC declarations directly (runtimes' tokens cannot)."""
+
+    authentication_classes = [BasicAuthentication, SessionAuthentication]
+    permission_classes = [IsAdminUser]
+    throttle_classes: list[type] = []
+
+    @extend_schema(
+        operation_id="register_capability",
+        request=DeclarationSerializer,
+        responses={
+            201: CapabilityOutSerializer,
+            200: CapabilityOutSerializer,
+            **errors(400, 401),
+            403: OpenApiResponse(s.ErrorSerializer, description="not an administrator"),
+        },
+        summary="Register or update a capability from its ACC v1 declaration (admins)",
+    )
+    def post(self, request: Request) -> Response:
+        data = DeclarationSerializer().run_validation(request.data)
+        try:
+            declaration = acc.parse(data["declaration"], http_method=data.get("http_method"))
+        except acc.InvalidDeclaration as invalid:
+            raise LedgerError(
+                "validation_failed",
+                "The declaration is not a valid ACC v1 declaration; nothing was registered.",
+                status=400,
+                details={"diagnostic": invalid.diagnostic.value, "reason": invalid.reason},
+            ) from None
+        registration = capability_register(
+            declaration=declaration, source="api", actor=f"user:{request.user.get_username()}"
+        )
+        capability = registration.capability
+        body = {
+            "scope": capability.scope,
+            "version": capability.version,
+            "outcome": registration.outcome.value,
+            "enabled": capability.enabled,
+            "risk": capability.risk_level,
+            "readonly": capability.readonly,
+            "audit_sensitive": capability.audit_sensitive,
+        }
+        return Response(body, status=201 if registration.outcome is Registered.CREATED else 200)

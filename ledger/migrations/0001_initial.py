@@ -7,168 +7,346 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Runtime',
+            name="Runtime",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=100, unique=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=100, unique=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
             ],
         ),
         migrations.CreateModel(
-            name='Capability',
+            name="Capability",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('scope', models.CharField(max_length=160, unique=True)),
-                ('enabled', models.BooleanField(default=True)),
-                ('readonly', models.BooleanField(default=False)),
-                ('idempotent', models.BooleanField(default=False)),
-                ('idempotency_verified', models.BooleanField(default=False)),
-                ('risk_level', models.CharField(choices=[('low', 'Low'), ('medium', 'Medium'), ('high', 'High')], default='medium', max_length=8)),
-                ('subject_required', models.BooleanField(default=False)),
-                ('audit_sensitive', models.BooleanField(default=False)),
-                ('timeout_ms', models.PositiveIntegerField(blank=True, null=True)),
-                ('grace_ms', models.PositiveIntegerField(blank=True, null=True)),
-                ('max_attempts', models.PositiveSmallIntegerField(blank=True, null=True)),
-                ('redact_paths', django.contrib.postgres.fields.ArrayField(base_field=models.CharField(max_length=200), blank=True, default=list)),
-                ('declaration', models.JSONField(blank=True, default=dict)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("scope", models.CharField(max_length=160, unique=True)),
+                ("enabled", models.BooleanField(default=True)),
+                ("readonly", models.BooleanField(default=False)),
+                ("idempotent", models.BooleanField(default=False)),
+                ("idempotency_verified", models.BooleanField(default=False)),
+                (
+                    "risk_level",
+                    models.CharField(
+                        choices=[("low", "Low"), ("medium", "Medium"), ("high", "High")],
+                        default="medium",
+                        max_length=8,
+                    ),
+                ),
+                ("subject_required", models.BooleanField(default=False)),
+                ("audit_sensitive", models.BooleanField(default=False)),
+                ("timeout_ms", models.PositiveIntegerField(blank=True, null=True)),
+                ("grace_ms", models.PositiveIntegerField(blank=True, null=True)),
+                ("max_attempts", models.PositiveSmallIntegerField(blank=True, null=True)),
+                (
+                    "redact_paths",
+                    django.contrib.postgres.fields.ArrayField(
+                        base_field=models.CharField(max_length=200), blank=True, default=list
+                    ),
+                ),
+                ("declaration", models.JSONField(blank=True, default=dict)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name_plural': 'capabilities',
-                'constraints': [models.CheckConstraint(condition=models.Q(('max_attempts__isnull', True), ('max_attempts__gte', 1), _connector='OR'), name='capability_max_attempts_positive')],
+                "verbose_name_plural": "capabilities",
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            ("max_attempts__isnull", True),
+                            ("max_attempts__gte", 1),
+                            _connector="OR",
+                        ),
+                        name="capability_max_attempts_positive",
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Invocation',
+            name="Invocation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('invocation_id', models.CharField(max_length=128, unique=True)),
-                ('task_id', models.CharField(max_length=128)),
-                ('capability_scope', models.CharField(max_length=160)),
-                ('subject', models.CharField(blank=True, max_length=256)),
-                ('idempotency_key', models.CharField(max_length=256)),
-                ('arguments', models.JSONField(blank=True, null=True)),
-                ('arguments_digest', models.CharField(max_length=71)),
-                ('approval', models.JSONField(blank=True, null=True)),
-                ('traceparent', models.CharField(blank=True, max_length=55)),
-                ('requested_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('hint_readonly', models.BooleanField()),
-                ('hint_idempotency_verified', models.BooleanField()),
-                ('max_attempts', models.PositiveSmallIntegerField()),
-                ('timeout_ms', models.PositiveIntegerField()),
-                ('grace_ms', models.PositiveIntegerField()),
-                ('risk_level', models.CharField(choices=[('low', 'Low'), ('medium', 'Medium'), ('high', 'High')], max_length=8)),
-                ('status', models.CharField(choices=[('recorded', 'recorded'), ('in_flight', 'in_flight'), ('succeeded', 'succeeded'), ('failed', 'failed'), ('retry_allowed', 'retry_allowed'), ('reconciliation_required', 'reconciliation_required'), ('reconciling', 'reconciling'), ('escalated', 'escalated'), ('resolution_proposed', 'resolution_proposed')], max_length=32)),
-                ('failure_class', models.CharField(blank=True, max_length=40)),
-                ('cause', models.CharField(blank=True, max_length=40)),
-                ('resolution', models.CharField(blank=True, max_length=20)),
-                ('flags', django.contrib.postgres.fields.ArrayField(base_field=models.CharField(max_length=40), blank=True, default=list)),
-                ('attempt_count', models.PositiveSmallIntegerField(default=0)),
-                ('in_flight_attempt', models.CharField(blank=True, max_length=128)),
-                ('deadline_at', models.DateTimeField(blank=True, null=True)),
-                ('event_count', models.PositiveIntegerField(default=0)),
-                ('head_hash', models.CharField(max_length=64)),
-                ('updated_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('capability', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='invocations', to='ledger.capability')),
-                ('runtime', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='invocations', to='ledger.runtime')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("invocation_id", models.CharField(max_length=128, unique=True)),
+                ("task_id", models.CharField(max_length=128)),
+                ("capability_scope", models.CharField(max_length=160)),
+                ("subject", models.CharField(blank=True, max_length=256)),
+                ("idempotency_key", models.CharField(max_length=256)),
+                ("arguments", models.JSONField(blank=True, null=True)),
+                ("arguments_digest", models.CharField(max_length=71)),
+                ("approval", models.JSONField(blank=True, null=True)),
+                ("traceparent", models.CharField(blank=True, max_length=55)),
+                ("requested_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("hint_readonly", models.BooleanField()),
+                ("hint_idempotency_verified", models.BooleanField()),
+                ("max_attempts", models.PositiveSmallIntegerField()),
+                ("timeout_ms", models.PositiveIntegerField()),
+                ("grace_ms", models.PositiveIntegerField()),
+                (
+                    "risk_level",
+                    models.CharField(
+                        choices=[("low", "Low"), ("medium", "Medium"), ("high", "High")],
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("recorded", "recorded"),
+                            ("in_flight", "in_flight"),
+                            ("succeeded", "succeeded"),
+                            ("failed", "failed"),
+                            ("retry_allowed", "retry_allowed"),
+                            ("reconciliation_required", "reconciliation_required"),
+                            ("reconciling", "reconciling"),
+                            ("escalated", "escalated"),
+                            ("resolution_proposed", "resolution_proposed"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                ("failure_class", models.CharField(blank=True, max_length=40)),
+                ("cause", models.CharField(blank=True, max_length=40)),
+                ("resolution", models.CharField(blank=True, max_length=20)),
+                (
+                    "flags",
+                    django.contrib.postgres.fields.ArrayField(
+                        base_field=models.CharField(max_length=40), blank=True, default=list
+                    ),
+                ),
+                ("attempt_count", models.PositiveSmallIntegerField(default=0)),
+                ("in_flight_attempt", models.CharField(blank=True, max_length=128)),
+                ("deadline_at", models.DateTimeField(blank=True, null=True)),
+                ("event_count", models.PositiveIntegerField(default=0)),
+                ("head_hash", models.CharField(max_length=64)),
+                ("updated_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "capability",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="invocations",
+                        to="ledger.capability",
+                    ),
+                ),
+                (
+                    "runtime",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="invocations",
+                        to="ledger.runtime",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Attempt',
+            name="Attempt",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('attempt_id', models.CharField(max_length=128)),
-                ('number', models.PositiveSmallIntegerField()),
-                ('admitted_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('deadline_at', models.DateTimeField()),
-                ('invocation', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='attempts', to='ledger.invocation')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("attempt_id", models.CharField(max_length=128)),
+                ("number", models.PositiveSmallIntegerField()),
+                ("admitted_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("deadline_at", models.DateTimeField()),
+                (
+                    "invocation",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="attempts",
+                        to="ledger.invocation",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Outcome',
+            name="Outcome",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('succeeded', 'succeeded'), ('business_failed', 'business_failed'), ('pre_dispatch_rejected', 'pre_dispatch_rejected'), ('dispatch_not_established', 'dispatch_not_established'), ('post_dispatch_evidence_failed', 'post_dispatch_evidence_failed')], max_length=40)),
-                ('retryable', models.BooleanField(default=False)),
-                ('business_reference', models.CharField(blank=True, max_length=256)),
-                ('result', models.JSONField(blank=True, null=True)),
-                ('result_digest', models.CharField(blank=True, max_length=71)),
-                ('error_code', models.CharField(blank=True, max_length=128)),
-                ('error_message', models.TextField(blank=True)),
-                ('completed_at', models.DateTimeField(blank=True, null=True)),
-                ('recorded_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('attempt', models.OneToOneField(on_delete=django.db.models.deletion.PROTECT, related_name='outcome', to='ledger.attempt')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("succeeded", "succeeded"),
+                            ("business_failed", "business_failed"),
+                            ("pre_dispatch_rejected", "pre_dispatch_rejected"),
+                            ("dispatch_not_established", "dispatch_not_established"),
+                            ("post_dispatch_evidence_failed", "post_dispatch_evidence_failed"),
+                        ],
+                        max_length=40,
+                    ),
+                ),
+                ("retryable", models.BooleanField(default=False)),
+                ("business_reference", models.CharField(blank=True, max_length=256)),
+                ("result", models.JSONField(blank=True, null=True)),
+                ("result_digest", models.CharField(blank=True, max_length=71)),
+                ("error_code", models.CharField(blank=True, max_length=128)),
+                ("error_message", models.TextField(blank=True)),
+                ("completed_at", models.DateTimeField(blank=True, null=True)),
+                ("recorded_at", models.DateTimeField(default=django.utils.timezone.now)),
+                (
+                    "attempt",
+                    models.OneToOneField(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="outcome",
+                        to="ledger.attempt",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='RuntimeToken',
+            name="RuntimeToken",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('prefix', models.CharField(max_length=16, unique=True)),
-                ('digest', models.CharField(max_length=64)),
-                ('label', models.CharField(blank=True, max_length=100)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('revoked_at', models.DateTimeField(blank=True, null=True)),
-                ('runtime', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='tokens', to='ledger.runtime')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("prefix", models.CharField(max_length=16, unique=True)),
+                ("digest", models.CharField(max_length=64)),
+                ("label", models.CharField(blank=True, max_length=100)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("revoked_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "runtime",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="tokens",
+                        to="ledger.runtime",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Event',
+            name="Event",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('seq', models.PositiveIntegerField()),
-                ('kind', models.CharField(max_length=48)),
-                ('actor', models.CharField(max_length=160)),
-                ('data', models.JSONField(default=dict)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('prev_hash', models.CharField(max_length=64)),
-                ('hash', models.CharField(max_length=64)),
-                ('invocation', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='events', to='ledger.invocation')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("seq", models.PositiveIntegerField()),
+                ("kind", models.CharField(max_length=48)),
+                ("actor", models.CharField(max_length=160)),
+                ("data", models.JSONField(default=dict)),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("prev_hash", models.CharField(max_length=64)),
+                ("hash", models.CharField(max_length=64)),
+                (
+                    "invocation",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="events",
+                        to="ledger.invocation",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('invocation', 'seq'), name='event_seq_unique')],
+                "constraints": [
+                    models.UniqueConstraint(fields=("invocation", "seq"), name="event_seq_unique")
+                ],
             },
         ),
         migrations.AddConstraint(
-            model_name='attempt',
-            constraint=models.UniqueConstraint(fields=('invocation', 'attempt_id'), name='attempt_id_unique'),
+            model_name="attempt",
+            constraint=models.UniqueConstraint(
+                fields=("invocation", "attempt_id"), name="attempt_id_unique"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='attempt',
-            constraint=models.UniqueConstraint(fields=('invocation', 'number'), name='attempt_number_unique'),
+            model_name="attempt",
+            constraint=models.UniqueConstraint(
+                fields=("invocation", "number"), name="attempt_number_unique"
+            ),
         ),
         migrations.AddIndex(
-            model_name='invocation',
-            index=models.Index(fields=['runtime', 'task_id', 'id'], name='invocation_runtime_task'),
+            model_name="invocation",
+            index=models.Index(fields=["runtime", "task_id", "id"], name="invocation_runtime_task"),
         ),
         migrations.AddIndex(
-            model_name='invocation',
-            index=models.Index(fields=['runtime', 'status', 'id'], name='invocation_runtime_status'),
+            model_name="invocation",
+            index=models.Index(
+                fields=["runtime", "status", "id"], name="invocation_runtime_status"
+            ),
         ),
         migrations.AddIndex(
-            model_name='invocation',
-            index=models.Index(condition=models.Q(('status', 'in_flight')), fields=['deadline_at'], name='invocation_in_flight_deadline'),
+            model_name="invocation",
+            index=models.Index(
+                condition=models.Q(("status", "in_flight")),
+                fields=["deadline_at"],
+                name="invocation_in_flight_deadline",
+            ),
         ),
         migrations.AddIndex(
-            model_name='invocation',
-            index=models.Index(condition=models.Q(('status__in', ['escalated', 'reconciliation_required', 'reconciling', 'resolution_proposed'])), fields=['updated_at'], name='invocation_flagged_age'),
+            model_name="invocation",
+            index=models.Index(
+                condition=models.Q(
+                    (
+                        "status__in",
+                        [
+                            "escalated",
+                            "reconciliation_required",
+                            "reconciling",
+                            "resolution_proposed",
+                        ],
+                    )
+                ),
+                fields=["updated_at"],
+                name="invocation_flagged_age",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='invocation',
-            constraint=models.UniqueConstraint(fields=('capability_scope', 'idempotency_key'), name='invocation_scope_key_unique'),
+            model_name="invocation",
+            constraint=models.UniqueConstraint(
+                fields=("capability_scope", "idempotency_key"), name="invocation_scope_key_unique"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='invocation',
-            constraint=models.CheckConstraint(condition=models.Q(models.Q(('deadline_at__isnull', False), ('in_flight_attempt__gt', ''), ('status', 'in_flight')), models.Q(models.Q(('status', 'in_flight'), _negated=True), ('in_flight_attempt', '')), _connector='OR'), name='invocation_in_flight_has_attempt_and_deadline'),
+            model_name="invocation",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    models.Q(
+                        ("deadline_at__isnull", False),
+                        ("in_flight_attempt__gt", ""),
+                        ("status", "in_flight"),
+                    ),
+                    models.Q(
+                        models.Q(("status", "in_flight"), _negated=True), ("in_flight_attempt", "")
+                    ),
+                    _connector="OR",
+                ),
+                name="invocation_in_flight_has_attempt_and_deadline",
+            ),
         ),
     ]

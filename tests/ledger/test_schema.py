@@ -77,6 +77,7 @@ def test_the_schema_documents_every_endpoint_and_error(client: Any) -> None:
     assert set(paths) == {
         "/api/v1/intents",
         "/api/v1/evidence",
+        "/api/v1/capabilities",
         "/api/v1/invocations",
         "/api/v1/invocations/{invocation_id}",
         "/api/v1/invocations/{invocation_id}/attempts",

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+
+from ledger import acc
+from ledger.capabilities import capabilities_import
+from ledger.forms import CapabilityImportForm
+from ledger.models import Capability, CapabilityDeclaration, Runtime, RuntimeToken
+
+# What ACC declares is read-only here: it changes only by importing or posting a
+# new declaration, which keeps the old one as history.
+ACC_FIELDS = (
+    "scope",
+    "version",
+    "enabled",
+    "readonly",
+    "idempotent",
+    "risk_level",
+    "subject_required",
+    "audit_sensitive",
+    "timeout_ms",
+    "declaration",
+)
+
+
+class DeclarationInline(admin.TabularInline):
+    model = CapabilityDeclaration
+    extra = 0
+    can_delete = False
+    fields = ("version", "created_at", "source", "actor", "declaration")
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Capability)
+class CapabilityAdmin(admin.ModelAdmin):
+    list_display = (
+        "scope",
+        "version",
+        "enabled",
+        "risk_level",
+        "readonly",
+        "idempotency_verified",
+        "audit_sensitive",
+        "updated_at",
+    )
+    list_filter = ("enabled", "risk_level", "readonly", "idempotency_verified")
+    search_fields = ("scope",)
+    readonly_fields = ACC_FIELDS
+    fieldsets = (
+        ("ACC declaration (read-only)", {"fields": ACC_FIELDS}),
+        (
+            "Ledger settings",
+            {
+                "fields": (
+                    "idempotency_verified",
+                    "max_attempts",
+                    "grace_ms",
+                    "redact_paths",
+                    "probe",
+                )
+            },
+        ),
+    )
+    inlines = [DeclarationInline]
+    change_list_template = "admin/ledger/capability/change_list.html"
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # capabilities come from declarations
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view(self.import_view)
+        return [path("import/", view, name="ledger_capability_import"), *super().get_urls()]
+
+    def import_view(self, request: HttpRequest) -> HttpResponse:
+        if not request.user.has_perm("ledger.change_capability"):
+            raise PermissionDenied
+        form = CapabilityImportForm(request.POST or None, request.FILES or None)
+        report = None
+        if request.method == "POST" and form.is_valid():
+            upload = form.cleaned_data["document"]
+            try:
+                document = acc.load_document(upload.read())
+            except acc.NotAnOpenAPIDocument as exc:
+                form.add_error("document", f"{exc}; nothing was imported.")
+            else:
+                report = capabilities_import(
+                    document=document,
+                    source=upload.name,
+                    actor=f"user:{request.user.get_username()}",
+                    dry_run=form.cleaned_data["dry_run"],
+                )
+                if not form.cleaned_data["dry_run"]:
+                    messages.success(
+                        request,
+                        f"{len(report.registered)} declaration(s) registered, "
+                        f"{len(report.skipped)} skipped.",
+                    )
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Import capabilities",
+            "opts": self.model._meta,
+            "form": form,
+            "report": report,
+        }
+        return TemplateResponse(request, "admin/ledger/capability/import.html", context)
+
+
+class TokenInline(admin.TabularInline):
+    model = RuntimeToken
+    extra = 0
+    can_delete = False
+    fields = ("prefix", "label", "created_at", "revoked_at")
+    readonly_fields = ("prefix", "created_at")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # tokens are issued by `manage.py create_runtime`, shown once
+
+
+@admin.register(Runtime)
+class RuntimeAdmin(admin.ModelAdmin):
+    list_display = ("name", "created_at")
+    search_fields = ("name",)
+    inlines = [TokenInline]
