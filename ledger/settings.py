@@ -219,7 +219,15 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
-CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}
+LEDGER_SWEEP_INTERVAL_SECONDS = env_int("LEDGER_SWEEP_INTERVAL_SECONDS", 5)
+CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
+    "sweep-overdue-attempts": {
+        "task": "reconciliation.tasks.sweep_overdue_attempts",
+        "schedule": float(LEDGER_SWEEP_INTERVAL_SECONDS),
+        # A sweep that waited longer than its interval is superseded by the next one.
+        "options": {"expires": float(LEDGER_SWEEP_INTERVAL_SECONDS)},
+    },
+}
 
 LOGGING = {
     "version": 1,

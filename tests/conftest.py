@@ -1,13 +1,21 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.test import Client
 
 from ledger.models import Capability, Runtime, RuntimeToken
+
+# The Agent Capability Contract's own files: the schema, the conformance vectors and
+# the example OpenAPI documents, beside the project in ../shared/acc/.
+SHARED_ACC = Path(
+    os.environ.get("ACC_SPEC_DIR", Path(__file__).resolve().parents[2] / "shared" / "acc")
+)
 
 
 @dataclass

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ledger import acc
+from tests.conftest import SHARED_ACC
 
-SHARED_ACC = Path(__file__).resolve().parents[2].parent / "shared" / "acc"
 VECTORS = json.loads((SHARED_ACC / "vectors.json").read_text())["vectors"]
 
 

@@ -13,9 +13,8 @@ from django.test import Client
 from ledger import acc
 from ledger.capabilities import Registered, capability_register
 from ledger.models import Capability, CapabilityDeclaration, Invocation
-from tests.conftest import Api
+from tests.conftest import SHARED_ACC, Api
 
-SHARED_ACC = Path(__file__).resolve().parents[2].parent / "shared" / "acc"
 BROKEN = Path(__file__).resolve().parents[1] / "fixtures" / "openapi-broken.yaml"
 
 

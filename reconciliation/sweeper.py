@@ -1,0 +1,43 @@
+"""Find in-flight attempts past their deadline and flag them as missing evidence."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+
+from django.utils import timezone
+
+from ledger.models import Invocation
+from ledger.services import flag_missing_evidence
+
+log = logging.getLogger(__name__)
+
+
+def overdue_invocation_ids(*, now: dt.datetime, limit: int) -> list[str]:
+    """Oldest deadlines first, through the partial index invocation_in_flight_deadline:
+    the cost follows the number of in-flight invocations, not the table."""
+    return list(
+        Invocation.objects.overdue(now)
+        .order_by("deadline_at")
+        .values_list("invocation_id", flat=True)[:limit]
+    )
+
+
+def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
+    """Flag every overdue attempt; returns how many were flagged.
+
+    Safe to run anywhere, any number of times, concurrently: flagging is a
+    compare-and-set, so an outcome that arrives meanwhile wins and nothing is
+    flagged twice.
+    """
+    now = now or timezone.now()
+    flagged = 0
+    while True:
+        candidates = overdue_invocation_ids(now=now, limit=batch)
+        done = [i for i in candidates if flag_missing_evidence(invocation_id=i, now=now)]
+        flagged += len(done)
+        if len(candidates) < batch or not done:
+            break
+    if flagged:
+        log.info("sweep flagged=%d", flagged)
+    return flagged

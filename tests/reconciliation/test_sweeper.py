@@ -1,0 +1,125 @@
+"""The sweep: overdue attempts become post_dispatch_evidence_failed, cheaply, and the
+real broker delivers the beat's task to a real worker."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from ledger.models import Capability, Invocation
+from reconciliation import sweeper
+from reconciliation.tasks import sweep_overdue_attempts
+from tests.conftest import Api
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def past_deadline() -> dt.datetime:
+    deadline = Invocation.objects.get(invocation_id="inv-1").deadline_at
+    assert deadline is not None
+    return deadline + dt.timedelta(seconds=1)
+
+
+def test_the_sweep_flags_overdue_attempts_and_only_those(
+    api: Api, refund: Capability, lookup: Capability
+) -> None:
+    api.intent(attempt_id="a1")
+    api.intent(invocation_id="inv-2", idempotency_key="k2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="succeeded")
+    api.intent(
+        invocation_id="inv-3", idempotency_key="k3", capability="order.read", attempt_id="a1"
+    )
+    now = past_deadline()
+    assert sweeper.sweep(now=now) == 2
+    states = dict(Invocation.objects.values_list("invocation_id", "status"))
+    assert states == {
+        "inv-1": "reconciliation_required",
+        "inv-2": "succeeded",
+        "inv-3": "retry_allowed",  # readonly: lost evidence is safe to retry
+    }
+    assert Invocation.objects.get(invocation_id="inv-1").cause == "evidence_missing"
+    assert sweeper.sweep(now=now) == 0  # nothing is flagged twice
+
+
+def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
+    api: Api, refund: Capability
+) -> None:
+    api.intent(attempt_id="a1")
+    invocation = Invocation.objects.get()
+    with connection.cursor() as cursor:
+        # 50,000 terminal invocations, written directly: the sweep must not read them.
+        cursor.execute(
+            """
+            INSERT INTO ledger_invocation (
+                invocation_id, runtime_id, task_id, capability_scope, subject,
+                idempotency_key, arguments_digest, traceparent, created_at, hint_readonly,
+                hint_idempotency_verified, max_attempts, timeout_ms, grace_ms, risk_level,
+                status, failure_class, cause, resolution, flags, attempt_count,
+                in_flight_attempt, event_count, head_hash, updated_at)
+            SELECT 'bulk-' || n, %s, 't', 'refund.create', '', 'bulk-' || n, 'sha256:x', '',
+                   now(), false, false, 5, 30000, 60000, 'high', 'succeeded', '', '', '',
+                   '{}', 1, '', 3, 'h', now()
+            FROM generate_series(1, 50000) AS n
+            """,
+            [invocation.runtime_id],  # type: ignore[attr-defined]
+        )
+        cursor.execute("ANALYZE ledger_invocation")
+        query = Invocation.objects.overdue(past_deadline()).order_by("deadline_at")[:500]
+        sql, params = query.values_list("invocation_id").query.sql_with_params()
+        cursor.execute("EXPLAIN " + sql, params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "invocation_in_flight_deadline" in plan, plan
+    assert "Seq Scan" not in plan, plan
+
+
+@pytest.fixture
+def celery_worker(transactional_db: None) -> Iterator[Callable[[], None]]:
+    """A real Celery worker process on the test database and the real broker."""
+    settings = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": f"postgresql://{settings['USER']}@{settings['HOST']}:"
+        f"{settings['PORT'] or 5432}/{settings['NAME']}",
+    }
+    from ledger.celery import app
+
+    app.control.purge()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "ledger", "worker", "--pool", "solo",
+         "--loglevel", "WARNING", "--without-gossip", "--without-mingle"],
+        cwd=ROOT, env=env,
+    )  # fmt: skip
+    try:
+        yield lambda: None
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_worker_runs_the_sweep_delivered_by_the_broker(
+    api: Api, refund: Capability, celery_worker: Callable[[], None]
+) -> None:
+    api.intent(attempt_id="a1", arguments={"amount": 1})
+    # Make the deadline pass now instead of in 90 seconds.
+    Invocation.objects.filter(invocation_id="inv-1").update(
+        deadline_at=timezone.now() - dt.timedelta(seconds=1)
+    )
+    sweep_overdue_attempts.delay()
+    for _ in range(300):
+        if Invocation.objects.get().status != "in_flight":
+            break
+        time.sleep(0.1)
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.cause) == ("reconciliation_required", "evidence_missing")
+    assert invocation.events.filter(kind="evidence_missing", actor="ledger:sweeper").count() == 1
