@@ -193,6 +193,14 @@ class InvocationQuerySet(models.QuerySet["Invocation"]):
     def overdue(self, now: datetime) -> InvocationQuerySet:
         return self.filter(status=policy.Status.IN_FLIGHT, deadline_at__lte=now)
 
+    def due_for_probe(self, now: datetime) -> InvocationQuerySet:
+        return self.filter(status=policy.Status.RECONCILIATION_REQUIRED).filter(
+            Q(next_probe_at__isnull=True) | Q(next_probe_at__lte=now)
+        )
+
+    def lease_expired(self, now: datetime) -> InvocationQuerySet:
+        return self.filter(status=policy.Status.RECONCILING, lease_expires_at__lte=now)
+
 
 class Invocation(models.Model):
     """One governed invocation: the intent, plus its current state as a projection.
@@ -251,6 +259,13 @@ class Invocation(models.Model):
     event_count = models.PositiveIntegerField(default=0)
     head_hash = models.CharField(max_length=64)
     updated_at = models.DateTimeField(default=timezone.now)
+    # Reconciliation's bookkeeping, part of the projection too.
+    lease_owner = models.CharField(max_length=160, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    probe_tries = models.PositiveSmallIntegerField(default=0)
+    next_probe_at = models.DateTimeField(null=True, blank=True)
+    # A person's resolution waiting for a second person: effect, reference, note, by.
+    proposal = models.JSONField(null=True, blank=True)
 
     objects = InvocationQuerySet.as_manager()
 
@@ -283,6 +298,12 @@ class Invocation(models.Model):
                 fields=["deadline_at"],
                 condition=Q(status=policy.Status.IN_FLIGHT.value),
                 name="invocation_in_flight_deadline",
+            ),
+            # The reconciler: leases that ran out (a worker died mid-probe).
+            models.Index(
+                fields=["lease_expires_at"],
+                condition=Q(status=policy.Status.RECONCILING.value),
+                name="invocation_reconciling_lease",
             ),
             # The reconciliation queue: flagged invocations by age.
             models.Index(

@@ -53,6 +53,9 @@ class Cause(StrEnum):
     EVIDENCE_CONFLICT = "evidence_conflict"
     RECONCILED_PRESENT = "reconciled_effect_present"
     RECONCILED_ABSENT = "reconciled_effect_absent"
+    NO_PROBE = "no_probe"
+    PROBE_INCONCLUSIVE = "probe_inconclusive"
+    PROPOSAL_REJECTED = "proposal_rejected"
 
 
 class NextAction(StrEnum):
@@ -306,3 +309,42 @@ def resolve(state: InvocationState, hints: Hints, effect: Effect) -> InvocationS
     return replace(
         state, status=Status.RETRY_ALLOWED, cause=Cause.RECONCILED_ABSENT, resolution=effect
     )
+
+
+# Reconciliation's own transitions ---------------------------------------------
+
+CLAIMABLE = frozenset({Status.RECONCILIATION_REQUIRED, Status.ESCALATED})
+
+
+def claim(state: InvocationState) -> InvocationState:
+    """A probe takes the invocation (with a lease the caller records)."""
+    if state.status not in CLAIMABLE:
+        raise Refused("not_claimable", f"the invocation is {state.status.value}")
+    return replace(state, status=Status.RECONCILING)
+
+
+def release(state: InvocationState) -> InvocationState:
+    """The probe gave no answer (or its lease expired): the question stays open."""
+    if state.status is not Status.RECONCILING:
+        raise Refused("not_reconciling", f"the invocation is {state.status.value}")
+    return replace(state, status=Status.RECONCILIATION_REQUIRED)
+
+
+def escalate(state: InvocationState, cause: Cause) -> InvocationState:
+    """Hand the invocation to a person."""
+    if state.status not in (Status.RECONCILING, Status.RECONCILIATION_REQUIRED):
+        raise Refused("not_reconcilable", f"the invocation is {state.status.value}")
+    return replace(state, status=Status.ESCALATED, cause=cause)
+
+
+def propose(state: InvocationState) -> InvocationState:
+    """A person's resolution of a high-risk invocation waits for a second person."""
+    if state.status not in NEEDS_RECONCILIATION or state.status is Status.RESOLUTION_PROPOSED:
+        raise Refused("not_reconcilable", f"the invocation is {state.status.value}")
+    return replace(state, status=Status.RESOLUTION_PROPOSED)
+
+
+def reject_proposal(state: InvocationState) -> InvocationState:
+    if state.status is not Status.RESOLUTION_PROPOSED:
+        raise Refused("no_proposal", "there is no proposal to reject")
+    return replace(state, status=Status.ESCALATED, cause=Cause.PROPOSAL_REJECTED)

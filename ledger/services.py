@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,19 +27,6 @@ from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runti
 log = logging.getLogger(__name__)
 
 RACE_RETRIES = 5
-PROJECTION_FIELDS = [
-    "status",
-    "failure_class",
-    "cause",
-    "resolution",
-    "flags",
-    "attempt_count",
-    "in_flight_attempt",
-    "deadline_at",
-    "event_count",
-    "head_hash",
-    "updated_at",
-]
 
 
 class LedgerError(Exception):
@@ -583,6 +570,43 @@ def record_outcome(*, runtime: Runtime, outcome: OutcomeInput) -> Applied:
     return _single(runtime, outcome)
 
 
+def invocation_transition(
+    *,
+    invocation_id: str,
+    actor: str,
+    kind: str,
+    change: Callable[[Invocation], dict[str, Any] | None],
+    now: dt.datetime | None = None,
+) -> Invocation | None:
+    """Change one invocation and append the event that explains the change.
+
+    `change` updates the loaded invocation (through `policy`) and returns the event's
+    data, or None when there is nothing to do. The write is a compare-and-set: if
+    another request changed the invocation meanwhile, it is loaded again and
+    `change` asked again. Returns the changed invocation, or None.
+    """
+    for _ in range(RACE_RETRIES):
+        work = _Work(runtime=None, now=now or timezone.now())
+        work.load(ids={invocation_id})
+        invocation = work.invocations.get(invocation_id)
+        if invocation is None:
+            raise LedgerError("not_found", "no such invocation", status=404)
+        data = change(invocation)
+        if data is None:
+            return None
+        work.event(invocation, kind, actor, data)
+        try:
+            work.flush()
+        except store.RaceLost:
+            continue
+        return invocation
+    raise LedgerError(
+        "ledger_unavailable",
+        "The invocation kept changing; nothing was recorded. Try again.",
+        status=503,
+    )
+
+
 def flag_missing_evidence(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
     """Flag the in-flight attempt of an invocation past its deadline with no outcome.
 
@@ -590,34 +614,26 @@ def flag_missing_evidence(*, invocation_id: str, now: dt.datetime | None = None)
     deadline moved): the sweeper may call it for any candidate, any number of times.
     """
     now = now or timezone.now()
-    for _ in range(RACE_RETRIES):
-        work = _Work(runtime=None, now=now)
-        work.load(ids={invocation_id})
-        invocation = work.invocations.get(invocation_id)
-        if (
-            invocation is None
-            or invocation.status != policy.Status.IN_FLIGHT
-            or invocation.deadline_at is None
-            or invocation.deadline_at > now
-        ):
-            return False
-        attempt_id, deadline = invocation.in_flight_attempt, invocation.deadline_at
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        deadline = invocation.deadline_at
+        if invocation.status != policy.Status.IN_FLIGHT or deadline is None or deadline > now:
+            return None
+        attempt_id = invocation.in_flight_attempt
         invocation.apply_state(
             policy.flag_missing_evidence(invocation.state(), invocation.hints(), attempt_id)
         )
-        work.event(
-            invocation,
-            "evidence_missing",
-            "ledger:sweeper",
-            {
-                "attempt_id": attempt_id,
-                "deadline_at": deadline.isoformat(),
-                "classified_as": policy.OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED.value,
-            },
-        )
-        try:
-            work.flush()
-        except store.RaceLost:
-            continue
-        return True
-    return False
+        return {
+            "attempt_id": attempt_id,
+            "deadline_at": deadline.isoformat(),
+            "classified_as": policy.OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED.value,
+        }
+
+    changed = invocation_transition(
+        invocation_id=invocation_id,
+        actor="ledger:sweeper",
+        kind="evidence_missing",
+        change=change,
+        now=now,
+    )
+    return changed is not None

@@ -219,7 +219,19 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+# Reconciliation: probe leases, retries with exponential backoff, then a person.
 LEDGER_SWEEP_INTERVAL_SECONDS = env_int("LEDGER_SWEEP_INTERVAL_SECONDS", 5)
+LEDGER_PROBE_LEASE_SECONDS = env_int("LEDGER_PROBE_LEASE_SECONDS", 60)
+LEDGER_PROBE_MAX_TRIES = env_int("LEDGER_PROBE_MAX_TRIES", 5)
+LEDGER_PROBE_BACKOFF_SECONDS = env_int("LEDGER_PROBE_BACKOFF_SECONDS", 5)
+# Probe header secrets, by name: LEDGER_PROBE_SECRET_PAYMENTS=… → {secret:PAYMENTS}.
+LEDGER_PROBE_SECRETS = {
+    name.removeprefix("LEDGER_PROBE_SECRET_"): value
+    for name, value in os.environ.items()
+    if name.startswith("LEDGER_PROBE_SECRET_")
+}
+# Python probes that may be named in a capability's probe configuration.
+LEDGER_PYTHON_PROBES = [p for p in os.environ.get("LEDGER_PYTHON_PROBES", "").split(",") if p]
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "sweep-overdue-attempts": {
         "task": "reconciliation.tasks.sweep_overdue_attempts",
@@ -239,4 +251,6 @@ LOGGING = {
     },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    # One line per probe request is noise; the probe_run event records each one.
+    "loggers": {"httpx": {"level": "WARNING"}},
 }

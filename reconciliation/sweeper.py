@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from ledger.models import Invocation
 from ledger.services import flag_missing_evidence
+from reconciliation import services
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +42,24 @@ def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
     if flagged:
         log.info("sweep flagged=%d", flagged)
     return flagged
+
+
+def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:
+    """Reopen invocations whose probe worker died mid-probe."""
+    now = now or timezone.now()
+    expired = (
+        Invocation.objects.lease_expired(now)
+        .order_by("lease_expires_at")
+        .values_list("invocation_id", flat=True)[:batch]
+    )
+    return sum(services.expire_lease(invocation_id=i, now=now) for i in expired)
+
+
+def due_for_probe(*, now: dt.datetime | None = None, batch: int = 1000) -> list[str]:
+    """Flagged invocations whose next probe is due, oldest first."""
+    now = now or timezone.now()
+    return list(
+        Invocation.objects.due_for_probe(now)
+        .order_by("updated_at")
+        .values_list("invocation_id", flat=True)[:batch]
+    )

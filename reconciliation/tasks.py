@@ -1,11 +1,54 @@
+"""Celery tasks: thin, take ids, call services. Correctness never depends on a
+message: every sweep finds again whatever is due, so a lost or duplicated message
+only delays or repeats a compare-and-set that happens once."""
+
 from __future__ import annotations
+
+import logging
+import os
+import socket
 
 from celery import shared_task
 
-from reconciliation import sweeper
+from ledger.models import Capability, Invocation
+from reconciliation import probes, services, sweeper
+
+log = logging.getLogger(__name__)
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 @shared_task(acks_late=True, ignore_result=True)
 def sweep_overdue_attempts() -> int:
-    """Beat runs this every LEDGER_SWEEP_INTERVAL_SECONDS (reconciliation, issue 4)."""
-    return sweeper.sweep()
+    """Beat runs this every LEDGER_SWEEP_INTERVAL_SECONDS."""
+    flagged = sweeper.sweep()
+    sweeper.expire_leases()
+    for invocation_id in sweeper.due_for_probe():
+        reconcile_invocation.delay(invocation_id)
+    return flagged
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
+    """Claim, probe (read-only), record. Returns what happened, for logs and tests."""
+    worker = worker_name()
+    invocation = services.invocation_claim(invocation_id=invocation_id, worker=worker, force=force)
+    if invocation is None:
+        return "not claimed"
+    capability = (
+        Capability.objects.filter(pk=invocation.capability_id).first()  # type: ignore[attr-defined]
+        if invocation.capability_id  # type: ignore[attr-defined]
+        else None
+    )
+    config = capability.probe if capability else {}
+    try:
+        result = probes.run(config, Invocation.objects.get(pk=invocation.pk))
+    except probes.ProbeConfigError as exc:
+        log.warning("probe misconfigured invocation=%s error=%s", invocation_id, exc)
+        result = probes.ProbeResult(probes.Finding.INCONCLUSIVE, detail=f"misconfigured: {exc}")
+    settled = services.record_probe_result(
+        invocation_id=invocation_id, worker=worker, result=result
+    )
+    return "recorded" if settled is not None else "lease lost"

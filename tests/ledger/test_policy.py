@@ -23,7 +23,12 @@ from ledger.policy import (
     Refused,
     Status,
     admit,
+    claim,
+    escalate,
     flag_missing_evidence,
+    propose,
+    reject_proposal,
+    release,
     report_outcome,
     resolve,
 )
@@ -241,6 +246,36 @@ class InvocationMachine(RuleBasedStateMachine):
             self.step(resolve(self.state, self.hints, effect))
         except Refused:
             assert not self.state.reconciliation_required
+
+    @rule()
+    def claim(self) -> None:
+        try:
+            self.step(claim(self.state))
+        except Refused:
+            assert self.state.status not in (Status.RECONCILIATION_REQUIRED, Status.ESCALATED)
+
+    @rule()
+    def release(self) -> None:
+        try:
+            self.step(release(self.state))
+        except Refused:
+            assert self.state.status is not Status.RECONCILING
+
+    @rule()
+    def escalate(self) -> None:
+        try:
+            self.step(escalate(self.state, Cause.PROBE_INCONCLUSIVE))
+        except Refused:
+            assert self.state.status not in (Status.RECONCILING, Status.RECONCILIATION_REQUIRED)
+
+    @rule(approve=st.booleans())
+    def propose_then_decide(self, approve: bool) -> None:
+        try:
+            self.step(propose(self.state))
+        except Refused:
+            return
+        if not approve:
+            self.step(reject_proposal(self.state))
 
     @invariant()
     def at_most_one_attempt_in_flight(self) -> None:

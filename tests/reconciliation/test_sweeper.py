@@ -4,11 +4,6 @@ real broker delivers the beat's task to a real worker."""
 from __future__ import annotations
 
 import datetime as dt
-import os
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +14,7 @@ from ledger.models import Capability, Invocation
 from reconciliation import sweeper
 from reconciliation.tasks import sweep_overdue_attempts
 from tests.conftest import Api
+from tests.reconciliation.conftest import Workers, status_of, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,10 +60,10 @@ def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
                 idempotency_key, arguments_digest, traceparent, created_at, hint_readonly,
                 hint_idempotency_verified, max_attempts, timeout_ms, grace_ms, risk_level,
                 status, failure_class, cause, resolution, flags, attempt_count,
-                in_flight_attempt, event_count, head_hash, updated_at)
+                in_flight_attempt, event_count, head_hash, updated_at, lease_owner, probe_tries)
             SELECT 'bulk-' || n, %s, 't', 'refund.create', '', 'bulk-' || n, 'sha256:x', '',
                    now(), false, false, 5, 30000, 60000, 'high', 'succeeded', '', '', '',
-                   '{}', 1, '', 3, 'h', now()
+                   '{}', 1, '', 3, 'h', now(), '', 0
             FROM generate_series(1, 50000) AS n
             """,
             [invocation.runtime_id],  # type: ignore[attr-defined]
@@ -81,45 +77,22 @@ def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
     assert "Seq Scan" not in plan, plan
 
 
-@pytest.fixture
-def celery_worker(transactional_db: None) -> Iterator[Callable[[], None]]:
-    """A real Celery worker process on the test database and the real broker."""
-    settings = connection.settings_dict
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "DATABASE_URL": f"postgresql://{settings['USER']}@{settings['HOST']}:"
-        f"{settings['PORT'] or 5432}/{settings['NAME']}",
-    }
-    from ledger.celery import app
-
-    app.control.purge()
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "ledger", "worker", "--pool", "solo",
-         "--loglevel", "WARNING", "--without-gossip", "--without-mingle"],
-        cwd=ROOT, env=env,
-    )  # fmt: skip
-    try:
-        yield lambda: None
-    finally:
-        worker.terminate()
-        worker.wait(timeout=30)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_real_worker_runs_the_sweep_delivered_by_the_broker(
-    api: Api, refund: Capability, celery_worker: Callable[[], None]
+    api: Api, refund: Capability, workers: Workers
 ) -> None:
+    workers.start()
     api.intent(attempt_id="a1", arguments={"amount": 1})
     # Make the deadline pass now instead of in 90 seconds.
     Invocation.objects.filter(invocation_id="inv-1").update(
         deadline_at=timezone.now() - dt.timedelta(seconds=1)
     )
     sweep_overdue_attempts.delay()
-    for _ in range(300):
-        if Invocation.objects.get().status != "in_flight":
-            break
-        time.sleep(0.1)
+    # The sweep flags it, then hands it to reconciliation; with no probe configured
+    # for this capability, reconciliation hands it to a person.
+    wait_for(lambda: status_of("inv-1") == "escalated")
     invocation = Invocation.objects.get()
-    assert (invocation.status, invocation.cause) == ("reconciliation_required", "evidence_missing")
-    assert invocation.events.filter(kind="evidence_missing", actor="ledger:sweeper").count() == 1
+    assert invocation.cause == "no_probe"
+    kinds = list(invocation.events.order_by("seq").values_list("kind", "actor"))
+    assert kinds[2][0] == "evidence_missing" and kinds[2][1] == "ledger:sweeper"
+    assert [k for k, _ in kinds[3:]] == ["reconciliation_claimed", "probe_run"]

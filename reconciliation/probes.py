@@ -1,0 +1,197 @@
+"""Read-only probes: ask the business system whether an effect happened.
+
+A probe never dispatches a business operation. It is configured per capability
+(`Capability.probe`) as one of:
+
+    {"kind": "none"}                                   escalate to a person at once
+    {"kind": "python", "callable": "pkg.module.func"}  allow-listed in LEDGER_PYTHON_PROBES
+    {"kind": "http",
+     "url": "https://pay.example/refunds?idempotency_key={idempotency_key}",
+     "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},
+     "connect_timeout": 2, "read_timeout": 5,
+     "present": {"status": 200, "json_path": "status", "equals": "succeeded",
+                 "reference_path": "id"},
+     "absent": {"status": 404}}
+
+URL templates may use {idempotency_key}, {invocation_id} and {business_reference}
+(URL-quoted). `{secret:NAME}` in a header comes from the setting LEDGER_PROBE_SECRETS
+(environment LEDGER_PROBE_SECRET_NAME) and is never stored or logged. Anything that
+is not clearly present or absent — timeouts, 5xx, bodies that do not parse,
+redirects (never followed) — is inconclusive.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import httpx
+from django.conf import settings
+
+from ledger.models import Invocation
+
+
+class Finding(StrEnum):
+    PRESENT = "effect_present"
+    ABSENT = "effect_absent"
+    INCONCLUSIVE = "inconclusive"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    finding: Finding
+    business_reference: str = ""
+    detail: str = ""
+    # What was asked and answered, without secrets: for the event.
+    summary: dict[str, Any] = field(default_factory=dict)
+    duration_ms: int = 0
+
+
+class ProbeConfigError(ValueError):
+    pass
+
+
+SECRET = re.compile(r"\{secret:([A-Za-z0-9_]+)\}")
+
+
+def _fill(template: str, invocation: Invocation) -> str:
+    values = {
+        "idempotency_key": invocation.idempotency_key,
+        "invocation_id": invocation.invocation_id,
+        "business_reference": _last_reference(invocation),
+    }
+    return re.sub(
+        r"\{(idempotency_key|invocation_id|business_reference)\}",
+        lambda m: quote(values[m.group(1)], safe=""),
+        template,
+    )
+
+
+def _last_reference(invocation: Invocation) -> str:
+    outcome = (
+        invocation.attempts.exclude(outcome__business_reference="")
+        .order_by("-number")
+        .values_list("outcome__business_reference", flat=True)
+        .first()
+    )
+    return outcome or ""
+
+
+def _secret_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    secrets: Mapping[str, str] = settings.LEDGER_PROBE_SECRETS
+    filled = {}
+    for name, value in headers.items():
+
+        def secret(match: re.Match[str]) -> str:
+            if match.group(1) not in secrets:
+                raise ProbeConfigError(f"secret {match.group(1)!r} is not configured")
+            return secrets[match.group(1)]
+
+        filled[name] = SECRET.sub(secret, value)
+    return filled
+
+
+def _json_path(body: Any, path: str) -> Any:
+    node = body
+    for part in path.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, Mapping) and part in node:
+            node = node[part]
+        else:
+            raise KeyError(path)
+    return node
+
+
+def _rule_matches(rule: Mapping[str, Any] | None, response: httpx.Response) -> bool:
+    if not rule or response.status_code != rule.get("status"):
+        return False
+    if "json_path" not in rule:
+        return True
+    value = _json_path(response.json(), rule["json_path"])
+    return "equals" not in rule or value == rule["equals"]
+
+
+def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
+    url = _fill(config["url"], invocation)
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise ProbeConfigError("an http probe needs an http(s) URL")
+    summary: dict[str, Any] = {"method": "GET", "url": url}
+    timeout = httpx.Timeout(
+        connect=float(config.get("connect_timeout", 2)),
+        read=float(config.get("read_timeout", 5)),
+        write=5.0,
+        pool=5.0,
+    )
+    try:
+        response = httpx.get(
+            url,
+            headers=_secret_headers(config.get("headers", {})),
+            timeout=timeout,
+            follow_redirects=False,
+        )
+    except httpx.HTTPError as exc:
+        return ProbeResult(Finding.INCONCLUSIVE, detail=f"{type(exc).__name__}", summary=summary)
+    summary["status"] = response.status_code
+    if response.is_redirect:
+        location = response.headers.get("location", "")
+        return ProbeResult(
+            Finding.INCONCLUSIVE, detail=f"redirect to {location!r} not followed", summary=summary
+        )
+    try:
+        if _rule_matches(config.get("present"), response):
+            reference_path = config["present"].get("reference_path")
+            reference = str(_json_path(response.json(), reference_path)) if reference_path else ""
+            return ProbeResult(Finding.PRESENT, business_reference=reference, summary=summary)
+        if _rule_matches(config.get("absent"), response):
+            return ProbeResult(Finding.ABSENT, summary=summary)
+    except (ValueError, KeyError) as exc:
+        return ProbeResult(
+            Finding.INCONCLUSIVE, detail=f"unreadable response: {exc!r}"[:200], summary=summary
+        )
+    return ProbeResult(
+        Finding.INCONCLUSIVE,
+        detail=f"no rule matched status {response.status_code}",
+        summary=summary,
+    )
+
+
+def python_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
+    dotted = config.get("callable", "")
+    if dotted not in settings.LEDGER_PYTHON_PROBES:
+        raise ProbeConfigError(f"{dotted!r} is not listed in LEDGER_PYTHON_PROBES")
+    module, _, name = dotted.rpartition(".")
+    func: Callable[[Invocation], ProbeResult] = getattr(importlib.import_module(module), name)
+    return func(invocation)
+
+
+PROBES: dict[str, Callable[[Mapping[str, Any], Invocation], ProbeResult]] = {
+    "http": http_probe,
+    "python": python_probe,
+}
+
+
+def run(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult | None:
+    """The probe's answer; None when the capability has no probe (a person decides)."""
+    kind = config.get("kind", "none")
+    if kind == "none":
+        return None
+    if kind not in PROBES:
+        raise ProbeConfigError(f"unknown probe kind {kind!r}")
+    started = time.perf_counter()
+    try:
+        result = PROBES[kind](config, invocation)
+    except ProbeConfigError:
+        raise
+    except Exception as exc:  # a probe bug must not crash-loop the worker
+        result = ProbeResult(Finding.INCONCLUSIVE, detail=f"probe raised {type(exc).__name__}")
+    duration = int((time.perf_counter() - started) * 1000)
+    return ProbeResult(
+        result.finding, result.business_reference, result.detail, result.summary, duration
+    )

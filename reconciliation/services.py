@@ -1,0 +1,225 @@
+"""Settling unknown outcomes: claims with leases, probe results, human resolutions.
+
+Every function here changes one invocation through
+`ledger.services.invocation_transition`: a compare-and-set write that appends the
+event explaining the change, so two workers (or a worker and an operator) can never
+both settle the same invocation.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from ledger import policy
+from ledger.models import Invocation
+from ledger.services import LedgerError, invocation_transition
+from reconciliation.probes import Finding, ProbeResult
+
+FINDING_EFFECT = {Finding.PRESENT: policy.Effect.PRESENT, Finding.ABSENT: policy.Effect.ABSENT}
+
+
+def _refused(refused: policy.Refused) -> LedgerError:
+    return LedgerError(refused.reason, refused.message, status=409)
+
+
+def invocation_claim(
+    *, invocation_id: str, worker: str, now: dt.datetime | None = None, force: bool = False
+) -> Invocation | None:
+    """Take a flagged invocation for probing, with a lease; None if not claimable now.
+
+    `force` (an operator's "re-run probe now") also claims escalated invocations and
+    ignores the backoff.
+    """
+    now = now or timezone.now()
+    lease = dt.timedelta(seconds=settings.LEDGER_PROBE_LEASE_SECONDS)
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        status = policy.Status(invocation.status)
+        if status is policy.Status.ESCALATED and not force:
+            return None
+        if not force and invocation.next_probe_at and invocation.next_probe_at > now:
+            return None
+        try:
+            invocation.apply_state(policy.claim(invocation.state()))
+        except policy.Refused:
+            return None
+        invocation.lease_owner = worker
+        invocation.lease_expires_at = now + lease
+        return {"worker": worker, "lease_expires_at": invocation.lease_expires_at.isoformat()}
+
+    return invocation_transition(
+        invocation_id=invocation_id,
+        actor=f"ledger:{worker}",
+        kind="reconciliation_claimed",
+        change=change,
+        now=now,
+    )
+
+
+def _clear_lease(invocation: Invocation) -> None:
+    invocation.lease_owner = ""
+    invocation.lease_expires_at = None
+
+
+def record_probe_result(
+    *, invocation_id: str, worker: str, result: ProbeResult | None, now: dt.datetime | None = None
+) -> Invocation | None:
+    """Settle, retry later, or escalate, from what the probe found.
+
+    A result from a worker whose lease was lost (expired and taken over, or the
+    runtime's late outcome settled the invocation meanwhile) is not applied.
+    """
+    now = now or timezone.now()
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        if invocation.status != policy.Status.RECONCILING or invocation.lease_owner != worker:
+            return None
+        data: dict[str, Any] = {"worker": worker}
+        state = invocation.state()
+        _clear_lease(invocation)
+        if result is None:
+            invocation.apply_state(policy.escalate(state, policy.Cause.NO_PROBE))
+            data["finding"] = None
+            return data
+        data.update(
+            finding=result.finding.value,
+            business_reference=result.business_reference or None,
+            detail=result.detail or None,
+            request=result.summary,
+            duration_ms=result.duration_ms,
+            try_number=invocation.probe_tries + 1,
+        )
+        if result.finding in FINDING_EFFECT:
+            invocation.apply_state(
+                policy.resolve(state, invocation.hints(), FINDING_EFFECT[result.finding])
+            )
+            invocation.next_probe_at = None
+            return data
+        invocation.probe_tries += 1
+        if invocation.probe_tries >= settings.LEDGER_PROBE_MAX_TRIES:
+            invocation.apply_state(policy.escalate(state, policy.Cause.PROBE_INCONCLUSIVE))
+            invocation.next_probe_at = None
+            return data
+        backoff = settings.LEDGER_PROBE_BACKOFF_SECONDS * 2 ** (invocation.probe_tries - 1)
+        invocation.apply_state(policy.release(state))
+        invocation.next_probe_at = now + dt.timedelta(seconds=backoff)
+        data["next_probe_at"] = invocation.next_probe_at.isoformat()
+        return data
+
+    return invocation_transition(
+        invocation_id=invocation_id,
+        actor=f"ledger:{worker}",
+        kind="probe_run",
+        change=change,
+        now=now,
+    )
+
+
+def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
+    """Reopen an invocation whose probe worker died (its lease ran out)."""
+    now = now or timezone.now()
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        expires = invocation.lease_expires_at
+        if invocation.status != policy.Status.RECONCILING or expires is None or expires > now:
+            return None
+        owner = invocation.lease_owner
+        invocation.apply_state(policy.release(invocation.state()))
+        _clear_lease(invocation)
+        return {"worker": owner, "lease_expired_at": expires.isoformat()}
+
+    changed = invocation_transition(
+        invocation_id=invocation_id,
+        actor="ledger:sweeper",
+        kind="lease_expired",
+        change=change,
+        now=now,
+    )
+    return changed is not None
+
+
+def invocation_resolve(
+    *,
+    invocation_id: str,
+    actor: str,
+    effect: policy.Effect,
+    business_reference: str = "",
+    note: str,
+) -> Invocation:
+    """A person's resolution. High-risk invocations only get a proposal, which a
+    second, different person must approve (invocation_approve)."""
+    if not note.strip():
+        raise LedgerError("validation_failed", "a note is required", status=400)
+    if effect is policy.Effect.PRESENT and not business_reference.strip():
+        raise LedgerError(
+            "validation_failed",
+            "an effect that happened needs its business reference",
+            status=400,
+        )
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        state = invocation.state()
+        data = {"effect": effect.value, "business_reference": business_reference, "note": note}
+        try:
+            if invocation.risk_level == "high":
+                invocation.apply_state(policy.propose(state))
+                invocation.proposal = {**data, "proposed_by": actor}
+                return {**data, "proposal": True}
+            invocation.apply_state(policy.resolve(state, invocation.hints(), effect))
+        except policy.Refused as refused:
+            raise _refused(refused) from None
+        _clear_lease(invocation)
+        return data
+
+    changed = invocation_transition(
+        invocation_id=invocation_id, actor=actor, kind="resolution", change=change
+    )
+    assert changed is not None
+    return changed
+
+
+def invocation_approve(*, invocation_id: str, actor: str, note: str = "") -> Invocation:
+    """The second person confirms a proposed resolution."""
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        proposal = invocation.proposal
+        if invocation.status != policy.Status.RESOLUTION_PROPOSED or not proposal:
+            raise LedgerError("no_proposal", "there is no proposal to approve", status=409)
+        if proposal["proposed_by"] == actor:
+            raise LedgerError(
+                "same_person",
+                "a proposal is approved by someone other than its author",
+                status=403,
+            )
+        effect = policy.Effect(proposal["effect"])
+        invocation.apply_state(policy.resolve(invocation.state(), invocation.hints(), effect))
+        invocation.proposal = None
+        _clear_lease(invocation)
+        return {**proposal, "approved_by": actor, "approval_note": note}
+
+    changed = invocation_transition(
+        invocation_id=invocation_id, actor=actor, kind="resolution_approved", change=change
+    )
+    assert changed is not None
+    return changed
+
+
+def invocation_reject(*, invocation_id: str, actor: str, note: str) -> Invocation:
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        proposal = invocation.proposal
+        try:
+            invocation.apply_state(policy.reject_proposal(invocation.state()))
+        except policy.Refused as refused:
+            raise _refused(refused) from None
+        invocation.proposal = None
+        return {"rejected": proposal, "note": note}
+
+    changed = invocation_transition(
+        invocation_id=invocation_id, actor=actor, kind="resolution_rejected", change=change
+    )
+    assert changed is not None
+    return changed

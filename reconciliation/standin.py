@@ -1,0 +1,199 @@
+"""A stand-in payments service to reconcile against (tests, `manage.py demo`).
+
+It behaves like a business system that enforces idempotency keys: a refund is
+created once per key, and can be looked up by key — which is all the ledger's http
+probe needs. State lives in a SQLite file, so several processes and restarts see
+the same refunds. For fault drills the lookup can be switched to answer slowly,
+with 5xx, with a malformed body or with a redirect (`POST /_control`).
+
+    python manage.py standin_service --port 9100
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+# Refunds above this are rejected by the business rules (a business_failed outcome).
+REFUND_LIMIT = 10_000
+LOOKUP_MODES = ("normal", "slow", "5xx", "malformed", "redirect")
+
+
+class Refunds:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = threading.Lock()
+        with self._db() as db:
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS refund (id TEXT PRIMARY KEY, "
+                "idempotency_key TEXT UNIQUE NOT NULL, body TEXT NOT NULL)"
+            )
+            db.execute("CREATE TABLE IF NOT EXISTS control (name TEXT PRIMARY KEY, value TEXT)")
+
+    def _db(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.path, timeout=10, isolation_level="IMMEDIATE")
+
+    def create(self, key: str, order: str, amount: float) -> tuple[bool, dict[str, Any]]:
+        """(created, refund): one refund per idempotency key, atomically."""
+        with self.lock, self._db() as db:
+            row = db.execute("SELECT body FROM refund WHERE idempotency_key = ?", [key]).fetchone()
+            if row:
+                return False, json.loads(row[0])
+            refund = {
+                "id": f"RF-{uuid.uuid4().hex[:10]}",
+                "idempotency_key": key,
+                "order": order,
+                "amount": amount,
+                "status": "succeeded",
+            }
+            db.execute(
+                "INSERT INTO refund VALUES (?, ?, ?)", [refund["id"], key, json.dumps(refund)]
+            )
+            return True, refund
+
+    def find(self, key: str) -> dict[str, Any] | None:
+        with self._db() as db:
+            row = db.execute("SELECT body FROM refund WHERE idempotency_key = ?", [key]).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def count(self, key: str | None = None) -> int:
+        with self._db() as db:
+            if key is None:
+                return int(db.execute("SELECT count(*) FROM refund").fetchone()[0])
+            return int(
+                db.execute(
+                    "SELECT count(*) FROM refund WHERE idempotency_key = ?", [key]
+                ).fetchone()[0]
+            )
+
+    def mode(self) -> str:
+        with self._db() as db:
+            row = db.execute("SELECT value FROM control WHERE name = 'lookup'").fetchone()
+        return row[0] if row else "normal"
+
+    def set_mode(self, mode: str) -> None:
+        with self._db() as db:
+            db.execute("INSERT OR REPLACE INTO control VALUES ('lookup', ?)", [mode])
+
+
+def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # quiet
+            pass
+
+        def reply(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+            raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def body(self) -> Any:
+            length = int(self.headers.get("Content-Length") or 0)
+            return json.loads(self.rfile.read(length) or b"{}")
+
+        def do_GET(self) -> None:
+            url = urlsplit(self.path)
+            query = parse_qs(url.query)
+            if url.path == "/stats":
+                self.reply(200, {"refunds": refunds.count()})
+                return
+            if url.path != "/refunds":
+                self.reply(404, {"error": "not_found"})
+                return
+            mode = refunds.mode()
+            if mode == "slow":
+                time.sleep(slow_seconds)
+            if mode == "5xx":
+                self.reply(503, {"error": "unavailable"})
+                return
+            if mode == "malformed":
+                self.reply(200, b"{not json")
+                return
+            if mode == "redirect":
+                self.reply(302, {}, {"Location": "http://elsewhere.invalid/refunds"})
+                return
+            refund = refunds.find(query.get("idempotency_key", [""])[0])
+            self.reply(200, refund) if refund else self.reply(404, {"error": "not_found"})
+
+        def do_POST(self) -> None:
+            url = urlsplit(self.path)
+            try:
+                body = self.body()
+            except ValueError:
+                self.reply(400, {"error": "bad json"})
+                return
+            if url.path == "/_control":
+                if body.get("lookup") not in LOOKUP_MODES:
+                    self.reply(400, {"error": f"lookup must be one of {LOOKUP_MODES}"})
+                    return
+                refunds.set_mode(body["lookup"])
+                self.reply(200, {"lookup": body["lookup"]})
+                return
+            if url.path != "/refunds":
+                self.reply(404, {"error": "not_found"})
+                return
+            key, amount = body.get("idempotency_key"), body.get("amount")
+            if not key or not isinstance(amount, int | float):
+                self.reply(400, {"error": "idempotency_key and amount are required"})
+                return
+            if amount > REFUND_LIMIT:
+                self.reply(422, {"error": "refund_limit_exceeded"})
+                return
+            created, refund = refunds.create(key, str(body.get("order", "")), amount)
+            self.reply(HTTPStatus.CREATED if created else HTTPStatus.OK, refund)
+
+    return Handler
+
+
+class StandInService:
+    """The service on a local port, in a background thread (or `serve_forever`)."""
+
+    def __init__(self, db_path: Path, port: int = 0, slow_seconds: float = 30.0) -> None:
+        self.refunds = Refunds(db_path)
+        self.server = ThreadingHTTPServer(
+            ("127.0.0.1", port), handler_for(self.refunds, slow_seconds)
+        )
+        self.server.daemon_threads = True
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> StandInService:
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def probe_config(self) -> dict[str, Any]:
+        """The ledger http probe that looks refunds up here by idempotency key."""
+        return {
+            "kind": "http",
+            "url": f"{self.url}/refunds?idempotency_key={{idempotency_key}}",
+            "connect_timeout": 2,
+            "read_timeout": 2,
+            "present": {
+                "status": 200,
+                "json_path": "status",
+                "equals": "succeeded",
+                "reference_path": "id",
+            },
+            "absent": {"status": 404},
+        }

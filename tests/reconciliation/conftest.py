@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db import connection
+
+from ledger.models import Capability, Invocation
+from reconciliation.standin import StandInService
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def standin(tmp_path: Path) -> Iterator[StandInService]:
+    service = StandInService(tmp_path / "standin.sqlite3", slow_seconds=30).start()
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture
+def refunds(db: None, standin: StandInService) -> Capability:
+    """refund.create, probed by idempotency key at the stand-in; short deadlines."""
+    return Capability.objects.create(
+        scope="refund.create",
+        risk_level="medium",
+        timeout_ms=200,
+        grace_ms=100,
+        probe=standin.probe_config(),
+    )
+
+
+def perform_refund(standin: StandInService, key: str, amount: int = 25) -> httpx.Response:
+    """What the runtime's tool call does: the real business effect."""
+    return httpx.post(
+        f"{standin.url}/refunds", json={"idempotency_key": key, "order": "SO-1", "amount": amount}
+    )
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not true within {seconds}s: {condition.__doc__ or condition}")
+
+
+def status_of(invocation_id: str) -> str:
+    return Invocation.objects.get(invocation_id=invocation_id).status
+
+
+@dataclass
+class Workers:
+    """Real Celery worker processes on the real broker and the test database."""
+
+    env: dict[str, str]
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, **env: str) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "ledger", "worker", "--pool", "solo",
+             "--loglevel", "WARNING", "--without-gossip", "--without-mingle",
+             "--without-heartbeat", "-n", f"w{len(self.processes)}@%h"],
+            cwd=ROOT, env={**self.env, **env},
+        )  # fmt: skip
+        self.processes.append(process)
+        return process
+
+    def beat(self, tmp_path: Path, **env: str) -> subprocess.Popen[bytes]:
+        """Celery beat on the project's static schedule (the sweep every second)."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "ledger", "beat", "--loglevel", "WARNING",
+             "--schedule", str(tmp_path / "beat-schedule")],
+            cwd=ROOT, env={**self.env, "LEDGER_SWEEP_INTERVAL_SECONDS": "1", **env},
+        )  # fmt: skip
+        self.processes.append(process)
+        return process
+
+    def kill(self, process: subprocess.Popen[bytes]) -> None:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@pytest.fixture
+def workers(transactional_db: None) -> Iterator[Workers]:
+    from ledger.celery import app
+
+    settings = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": f"postgresql://{settings['USER']}@{settings['HOST']}:"
+        f"{settings['PORT'] or 5432}/{settings['NAME']}",
+        "CELERY_BROKER_URL": app.conf.broker_url,
+    }
+    app.control.purge()
+    pool = Workers(env)
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+        app.control.purge()

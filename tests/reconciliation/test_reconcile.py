@@ -1,0 +1,230 @@
+"""Reconciliation without a worker: claims, probes, results, people."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from ledger import policy
+from ledger.models import Capability, Invocation
+from ledger.services import LedgerError, flag_missing_evidence
+from reconciliation import probes, services
+from reconciliation.standin import StandInService
+from reconciliation.tasks import reconcile_invocation
+from tests.conftest import Api
+from tests.reconciliation.conftest import perform_refund
+
+
+def flagged(api: Api, invocation_id: str = "inv-1", key: str = "refund-SO-1") -> Invocation:
+    api.intent(invocation_id=invocation_id, idempotency_key=key, attempt_id="a1")
+    deadline = Invocation.objects.get(invocation_id=invocation_id).deadline_at
+    assert deadline is not None
+    assert flag_missing_evidence(invocation_id=invocation_id, now=deadline)
+    return Invocation.objects.get(invocation_id=invocation_id)
+
+
+def events(invocation_id: str = "inv-1") -> list[str]:
+    invocation = Invocation.objects.get(invocation_id=invocation_id)
+    return list(invocation.events.order_by("seq").values_list("kind", flat=True))
+
+
+def test_a_refund_that_happened_is_found_and_the_invocation_succeeds(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    flagged(api)
+    refund = perform_refund(standin, "refund-SO-1").json()
+    assert reconcile_invocation.run("inv-1") == "recorded"
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.cause) == ("succeeded", "reconciled_effect_present")
+    probe_run = invocation.events.get(kind="probe_run").data
+    assert (probe_run["finding"], probe_run["business_reference"]) == (
+        "effect_present",
+        refund["id"],
+    )
+    assert probe_run["request"]["url"].endswith("idempotency_key=refund-SO-1")
+    assert standin.refunds.count() == 1
+
+
+def test_a_refund_that_never_happened_allows_a_retry_under_the_same_key(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    flagged(api)
+    assert api.attempt("inv-1", "a2")[1]["error"]["type"] == "attempt_refused"
+    reconcile_invocation.run("inv-1")
+    assert Invocation.objects.get().status == "retry_allowed"
+    status, body = api.attempt("inv-1", "a2")
+    assert (status, body["status"]) == (201, "in_flight")
+    perform_refund(standin, "refund-SO-1")
+    assert api.outcome("inv-1", "a2", kind="succeeded")[1]["status"] == "succeeded"
+    assert standin.refunds.count() == 1
+
+
+@pytest.mark.parametrize("mode", ["5xx", "malformed", "redirect"])
+@override_settings(LEDGER_PROBE_MAX_TRIES=3, LEDGER_PROBE_BACKOFF_SECONDS=10)
+def test_unclear_answers_are_inconclusive_back_off_then_escalate(
+    api: Api, refunds: Capability, standin: StandInService, mode: str
+) -> None:
+    flagged(api)
+    perform_refund(standin, "refund-SO-1")  # it did happen; the probe cannot tell
+    standin.refunds.set_mode(mode)
+    now = timezone.now()
+    delays = []
+    for _ in range(3):
+        assert services.invocation_claim(invocation_id="inv-1", worker="w", now=now)
+        invocation = Invocation.objects.get()
+        result = probes.run(refunds.probe, invocation)
+        assert result is not None and result.finding is probes.Finding.INCONCLUSIVE
+        services.record_probe_result(invocation_id="inv-1", worker="w", result=result, now=now)
+        invocation = Invocation.objects.get()
+        if invocation.next_probe_at:
+            delays.append((invocation.next_probe_at - now).total_seconds())
+            # Not before the backoff has passed.
+            assert services.invocation_claim(invocation_id="inv-1", worker="w", now=now) is None
+            now = invocation.next_probe_at
+    assert delays == [10, 20]
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.cause) == ("escalated", "probe_inconclusive")
+    assert invocation.resolution == ""  # never a false effect_absent
+
+
+def test_a_probe_that_times_out_or_cannot_connect_is_inconclusive(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    invocation = flagged(api)
+    standin.refunds.set_mode("slow")
+    slow = probes.run({**refunds.probe, "read_timeout": 0.3}, invocation)
+    refused = probes.run({**refunds.probe, "url": "http://127.0.0.1:9/refunds"}, invocation)
+    for result in (slow, refused):
+        assert result is not None and result.finding is probes.Finding.INCONCLUSIVE
+
+
+def test_probe_secrets_fill_headers_and_are_never_recorded(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    flagged(api)
+    config = {**refunds.probe, "headers": {"Authorization": "Bearer {secret:PAYMENTS}"}}
+    Capability.objects.filter(pk=refunds.pk).update(probe=config)
+    with override_settings(LEDGER_PROBE_SECRETS={"PAYMENTS": "sk_live_hush"}):
+        reconcile_invocation.run("inv-1")
+    invocation = Invocation.objects.get()
+    assert invocation.status == "retry_allowed"
+    assert "sk_live_hush" not in str(list(invocation.events.values_list("data", flat=True)))
+
+
+def test_no_probe_escalates_at_once(api: Api, refund: Capability) -> None:
+    flagged(api)
+    reconcile_invocation.run("inv-1")
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.cause) == ("escalated", "no_probe")
+
+
+def test_a_python_probe_must_be_allow_listed(api: Api, refunds: Capability, settings: Any) -> None:
+    invocation = flagged(api)
+    config = {"kind": "python", "callable": "tests.reconciliation.test_reconcile.always_present"}
+    with pytest.raises(probes.ProbeConfigError):
+        probes.run(config, invocation)
+    settings.LEDGER_PYTHON_PROBES = [config["callable"]]
+    result = probes.run(config, invocation)
+    assert result is not None and result.business_reference == "RF-python"
+
+
+def always_present(invocation: Invocation) -> probes.ProbeResult:
+    return probes.ProbeResult(probes.Finding.PRESENT, business_reference="RF-python")
+
+
+def test_only_one_claim_holds_and_an_expired_lease_reopens(api: Api, refunds: Capability) -> None:
+    flagged(api)
+    now = timezone.now()
+    assert services.invocation_claim(invocation_id="inv-1", worker="a", now=now)
+    assert services.invocation_claim(invocation_id="inv-1", worker="b", now=now) is None
+    later = now + dt.timedelta(seconds=61)
+    assert services.expire_lease(invocation_id="inv-1", now=later)
+    assert services.invocation_claim(invocation_id="inv-1", worker="b", now=later)
+    # Worker a comes back from the dead: its answer is not applied.
+    found = probes.ProbeResult(probes.Finding.ABSENT)
+    assert services.record_probe_result(invocation_id="inv-1", worker="a", result=found) is None
+    assert services.record_probe_result(invocation_id="inv-1", worker="b", result=found)
+    assert Invocation.objects.get().status == "retry_allowed"
+    assert events()[-4:] == [
+        "reconciliation_claimed",
+        "lease_expired",
+        "reconciliation_claimed",
+        "probe_run",
+    ]
+
+
+def test_a_person_resolves_with_a_note_and_a_reference(api: Api, refunds: Capability) -> None:
+    flagged(api)
+    with pytest.raises(LedgerError):
+        services.invocation_resolve(
+            invocation_id="inv-1", actor="user:ada", effect=policy.Effect.PRESENT, note="seen"
+        )
+    with pytest.raises(LedgerError):
+        services.invocation_resolve(
+            invocation_id="inv-1", actor="user:ada", effect=policy.Effect.ABSENT, note=" "
+        )
+    services.invocation_resolve(
+        invocation_id="inv-1",
+        actor="user:ada",
+        effect=policy.Effect.PRESENT,
+        business_reference="RF-77",
+        note="found in the payments console",
+    )
+    invocation = Invocation.objects.get()
+    assert invocation.status == "succeeded"
+    resolution = invocation.events.get(kind="resolution")
+    assert (resolution.actor, resolution.data["note"]) == (
+        "user:ada",
+        "found in the payments console",
+    )
+    with pytest.raises(LedgerError) as refused:  # terminal: nothing left to resolve
+        services.invocation_resolve(
+            invocation_id="inv-1", actor="user:bob", effect=policy.Effect.ABSENT, note="no"
+        )
+    assert refused.value.type == "not_reconcilable"
+
+
+def test_a_high_risk_resolution_needs_a_second_person(api: Api, refunds: Capability) -> None:
+    Capability.objects.filter(pk=refunds.pk).update(risk_level="high")
+    flagged(api)
+    services.invocation_resolve(
+        invocation_id="inv-1", actor="user:ada", effect=policy.Effect.ABSENT, note="not there"
+    )
+    assert Invocation.objects.get().status == "resolution_proposed"
+    assert api.attempt("inv-1", "a2")[1]["error"]["type"] == "attempt_refused"
+    with pytest.raises(LedgerError) as same:
+        services.invocation_approve(invocation_id="inv-1", actor="user:ada")
+    assert same.value.type == "same_person"
+    services.invocation_approve(invocation_id="inv-1", actor="user:bob", note="agreed")
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.proposal) == ("retry_allowed", None)
+    approved = invocation.events.get(kind="resolution_approved").data
+    assert (approved["proposed_by"], approved["approved_by"]) == ("user:ada", "user:bob")
+
+
+def test_a_rejected_proposal_goes_back_to_a_person(api: Api, refunds: Capability) -> None:
+    Capability.objects.filter(pk=refunds.pk).update(risk_level="high")
+    flagged(api)
+    services.invocation_resolve(
+        invocation_id="inv-1", actor="user:ada", effect=policy.Effect.ABSENT, note="?"
+    )
+    services.invocation_reject(invocation_id="inv-1", actor="user:bob", note="check again")
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.cause) == ("escalated", "proposal_rejected")
+
+
+def test_late_evidence_that_contradicts_a_resolution_escalates(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    flagged(api)
+    reconcile_invocation.run("inv-1")  # nothing found: retry allowed
+    api.attempt("inv-1", "a2")
+    api.outcome("inv-1", "a2", kind="succeeded", business_reference="RF-2")
+    # The first attempt's outcome finally arrives: it had succeeded too.
+    status, body = api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    assert (status, body["status"], body["cause"]) == (201, "escalated", "evidence_conflict")
+    assert body["flags"] == ["evidence_conflict"]

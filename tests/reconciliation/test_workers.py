@@ -1,0 +1,190 @@
+"""End to end with real Celery workers (and beat) on the real broker, a real
+PostgreSQL and the stand-in payments service: the scenarios of DESIGN section 6."""
+
+from __future__ import annotations
+
+import datetime as dt
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from ledger.models import Capability, Invocation
+from ledger.services import flag_missing_evidence
+from reconciliation.standin import StandInService
+from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
+from tests.conftest import Api
+from tests.reconciliation.conftest import Workers, perform_refund, status_of, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SETTLED = ("succeeded", "retry_allowed", "failed", "escalated")
+
+
+def test_a_refund_whose_outcome_was_lost_is_found_and_never_repeated(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers, tmp_path: Path
+) -> None:
+    workers.start()
+    workers.beat(tmp_path)
+    # 1. intent, admitted; 2. the tool creates the refund; 3. the outcome report is lost.
+    assert api.intent(attempt_id="a1")[1]["status"] == "in_flight"
+    refund = perform_refund(standin, "refund-SO-1").json()
+    # 4. past the deadline the ledger says: unknown after dispatch, do not retry.
+    wait_for(lambda: status_of("inv-1") != "in_flight")
+    _, seen = api.get("/api/v1/invocations/inv-1")
+    assert seen["failure_class"] == "post_dispatch_evidence_failed"
+    assert (seen["retryable"], seen["cause"]) == (False, "evidence_missing")
+    # 5. no second dispatch: a new attempt is refused while the outcome is unknown.
+    if seen["status"] in ("reconciliation_required", "reconciling"):
+        assert api.attempt("inv-1", "a2")[0] == 409
+    # 6. reconciliation asks the payments service by idempotency key.
+    wait_for(lambda: status_of("inv-1") in SETTLED)
+    invocation = Invocation.objects.get()
+    assert invocation.status == "succeeded"
+    assert invocation.events.get(kind="probe_run").data["business_reference"] == refund["id"]
+    # 7. the evidence is complete and there is still exactly one refund.
+    assert standin.refunds.count() == 1
+    assert api.attempt("inv-1", "a2")[1]["error"]["type"] == "attempt_refused"
+
+
+def test_a_refund_that_never_happened_is_retried_once_under_the_same_key(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers, tmp_path: Path
+) -> None:
+    workers.start()
+    workers.beat(tmp_path)
+    api.intent(attempt_id="a1")  # the runtime crashed before its tool call
+    wait_for(lambda: status_of("inv-1") == "retry_allowed")
+    assert api.attempt("inv-1", "a2")[0] == 201
+    perform_refund(standin, "refund-SO-1")
+    assert api.outcome("inv-1", "a2", kind="succeeded")[1]["status"] == "succeeded"
+    assert standin.refunds.count() == 1
+
+
+def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers
+) -> None:
+    Capability.objects.filter(pk=refunds.pk).update(
+        probe={**standin.probe_config(), "read_timeout": 60}
+    )
+    api.intent(attempt_id="a1")
+    perform_refund(standin, "refund-SO-1")
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+    standin.refunds.set_mode("slow")  # the probe will hang
+    doomed = workers.start(LEDGER_PROBE_LEASE_SECONDS="2")
+    reconcile_invocation.delay("inv-1")
+    wait_for(lambda: status_of("inv-1") == "reconciling")
+    time.sleep(0.5)  # let it get into the probe
+    workers.kill(doomed)
+    standin.refunds.set_mode("normal")
+    workers.start(LEDGER_PROBE_LEASE_SECONDS="2")
+    lease = Invocation.objects.get().lease_expires_at
+    assert lease is not None
+    while timezone.now() <= lease:
+        time.sleep(0.2)
+    sweep_overdue_attempts.run()  # what beat does: expire the lease, re-queue
+    wait_for(lambda: status_of("inv-1") in SETTLED)
+    invocation = Invocation.objects.get()
+    assert invocation.status == "succeeded"
+    kinds = list(invocation.events.order_by("seq").values_list("kind", flat=True))
+    assert kinds[3:] == [
+        "reconciliation_claimed",
+        "lease_expired",
+        "reconciliation_claimed",
+        "probe_run",
+    ]
+
+
+def test_two_workers_racing_for_200_invocations_settle_each_exactly_once(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers
+) -> None:
+    items = [
+        {"type": "intent", "invocation_id": f"inv-{n}", "task_id": "t",
+         "capability": "refund.create", "arguments": {"n": n},
+         "idempotency_key": f"key-{n}", "attempt_id": "a1"}
+        for n in range(200)
+    ]  # fmt: skip
+    assert api.post("/api/v1/evidence", items)[0] == 207
+    for n in range(0, 200, 2):
+        perform_refund(standin, f"key-{n}")
+    later = timezone.now() + dt.timedelta(seconds=5)
+    for n in range(200):
+        assert flag_missing_evidence(invocation_id=f"inv-{n}", now=later)
+    workers.start()
+    workers.start()
+    for _ in range(2):  # every job delivered twice
+        for n in range(200):
+            reconcile_invocation.delay(f"inv-{n}")
+    wait_for(lambda: not Invocation.objects.exclude(status__in=SETTLED).exists(), seconds=120)
+    rows = Invocation.objects.annotate(
+        runs=Count("events", filter=Q(events__kind="probe_run"))
+    ).values_list("invocation_id", "status", "runs")
+    for invocation_id, status, runs in rows:
+        n = int(invocation_id.removeprefix("inv-"))
+        assert runs == 1, invocation_id
+        assert status == ("succeeded" if n % 2 == 0 else "retry_allowed"), invocation_id
+    assert standin.refunds.count() == 100
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_broker_outage_loses_no_invocation(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers, tmp_path: Path
+) -> None:
+    """Beat and the worker use a private Redis, which is stopped during the sweeps."""
+    port = free_port()
+    redis = [
+        "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no", "--dir", str(tmp_path),
+    ]  # fmt: skip
+    broker = subprocess.Popen(redis, stdout=subprocess.DEVNULL)
+    try:
+        private = {"CELERY_BROKER_URL": f"redis://127.0.0.1:{port}/0"}
+        time.sleep(0.5)
+        workers.start(**private)
+        workers.beat(tmp_path, **private)
+        broker.terminate()
+        broker.wait(timeout=10)
+        for n in range(5):
+            api.intent(invocation_id=f"inv-{n}", idempotency_key=f"key-{n}", attempt_id="a1")
+            if n % 2 == 0:
+                perform_refund(standin, f"key-{n}")
+        time.sleep(3)  # deadlines pass while nothing can be delivered
+        assert Invocation.objects.filter(status="in_flight").count() == 5
+        broker = subprocess.Popen(redis, stdout=subprocess.DEVNULL)
+        wait_for(lambda: Invocation.objects.filter(status__in=SETTLED).count() == 5, seconds=90)
+    finally:
+        broker.terminate()
+        broker.wait(timeout=10)
+    statuses = dict(Invocation.objects.values_list("invocation_id", "status"))
+    assert statuses == {
+        f"inv-{n}": "succeeded" if n % 2 == 0 else "retry_allowed" for n in range(5)
+    }
+    assert standin.refunds.count() == 3
+
+
+def test_the_demo_runs_its_traffic_and_everything_settles(
+    live_server: object, workers: Workers, tmp_path: Path, settings: object
+) -> None:
+    import io
+
+    from django.core.management import call_command
+
+    workers.start()
+    workers.beat(tmp_path)
+    out = io.StringIO()
+    call_command("demo", url=str(live_server), rounds=1, timeout=60, stdout=out)
+    report = out.getvalue()
+    rows = {line.split("  ")[0]: line for line in report.splitlines() if line.startswith("demo-")}
+    assert len(rows) == 4
+    assert "outcome lost after refund   succeeded       reconciled_effect_present   1" in report
+    assert "crash before refund         retry_allowed   reconciled_effect_absent    0" in report
+    assert "business refuses            failed          business_rejected           0" in report
