@@ -9,7 +9,10 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
   physical limit of a durable write on this machine;
 - api: runtimes that record an intent with its first attempt, then the outcome,
   over keep-alive HTTP, at 1 and 8 concurrent clients (separate processes);
-- batch: POST /api/v1/evidence with 1,000 intents per request.
+- batch: POST /api/v1/evidence with 1,000 intents per request;
+- reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
+  (time from deadline to flagged) and then probed against the stand-in payments
+  service (settled per second).
 
 It prints a table, then the figures as JSON on the last line. Not a test: nothing
 here asserts a time.
@@ -18,6 +21,7 @@ here asserts a time.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import http.client
 import json
 import multiprocessing
@@ -26,9 +30,11 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -208,8 +214,9 @@ class Command(BaseCommand):
             conn.execute(
                 "INSERT INTO ledger_capability (scope, enabled, readonly, idempotent, "
                 "idempotency_verified, risk_level, subject_required, audit_sensitive, "
-                "redact_paths, declaration, created_at, updated_at) VALUES ('refund.create', "
-                "true, false, false, false, 'high', false, false, '{}', '{}', now(), now())"
+                "redact_paths, probe, declaration, version, created_at, updated_at) VALUES "
+                "('refund.create', true, false, false, false, 'high', false, false, '{}', '{}', "
+                "'{}', 0, now(), now())"
             )
             conn.execute(RAW_TABLE)
         results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}}
@@ -228,6 +235,7 @@ class Command(BaseCommand):
                     "writes_per_second": round((len(intents) + len(outcomes)) / elapsed, 1),
                 }
             results["batch"] = self.batch(port, token, options["batches"])
+        results["reconciliation"] = self.reconciliation(bench_conninfo, bench_db)
         raw1, raw8 = results["raw_1"], results["raw_8"]
         results["ratios"] = {
             "intent_p50_over_raw_p50_1_client": round(
@@ -241,6 +249,96 @@ class Command(BaseCommand):
             ),
         }
         self.report(results)
+
+    def reconciliation(self, conninfo: str, bench_db: str) -> dict[str, Any]:
+        """100,000 terminal invocations and 1,000 overdue ones: the sweep, then probes."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from django.db import connection, connections
+
+        from ledger.models import Capability, Event
+        from reconciliation import sweeper
+        from reconciliation.standin import StandInService
+        from reconciliation.tasks import reconcile_invocation
+
+        terminal, overdue = 100_000, 1_000
+        columns = (
+            "invocation_id, runtime_id, task_id, capability_id, capability_scope, subject, "
+            "idempotency_key, arguments_digest, traceparent, created_at, hint_readonly, "
+            "hint_idempotency_verified, max_attempts, timeout_ms, grace_ms, risk_level, "
+            "status, failure_class, cause, resolution, flags, attempt_count, "
+            "in_flight_attempt, deadline_at, event_count, head_hash, updated_at, "
+            "lease_owner, probe_tries"
+        )
+        rows = (
+            "SELECT '{prefix}' || n, r.id, 't', c.id, 'refund.create', '', '{prefix}' || n, "
+            "'sha256:x', '', now(), false, false, 5, 30000, 60000, 'high', {status}, '', '', "
+            "'', '{{}}', 1, {attempt}, {deadline}, 1, repeat('0', 64), now(), '', 0 "
+            "FROM generate_series(1, %s) n, ledger_runtime r, ledger_capability c "
+            "WHERE r.name = 'bench' AND c.scope = 'refund.create'"
+        )
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(
+                f"INSERT INTO ledger_invocation ({columns}) "
+                + rows.format(prefix="done-", status="'succeeded'", attempt="''", deadline="NULL"),
+                [terminal],
+            )
+            conn.execute(
+                f"INSERT INTO ledger_invocation ({columns}) "
+                + rows.format(
+                    prefix="late-", status="'in_flight'", attempt="'a1'", deadline="now()"
+                ),
+                [overdue],
+            )
+            conn.execute("ANALYZE ledger_invocation")
+        connections.close_all()
+        connection.settings_dict["NAME"] = bench_db
+        started = time.perf_counter()
+        flagged = sweeper.sweep()
+        sweep_seconds = time.perf_counter() - started
+        lags = [
+            (created - dt.datetime.fromisoformat(data["deadline_at"])).total_seconds() * 1000
+            for created, data in Event.objects.filter(
+                kind="evidence_missing", invocation__invocation_id__startswith="late-"
+            ).values_list("created_at", "data")
+        ]
+        with tempfile.TemporaryDirectory() as folder:
+            standin = StandInService(Path(folder) / "standin.sqlite3").start()
+            try:
+                for n in range(1, overdue + 1, 2):
+                    standin.refunds.create(f"late-{n}", "SO", 10)
+                Capability.objects.filter(scope="refund.create").update(
+                    probe=standin.probe_config()
+                )
+                ids = sweeper.due_for_probe(batch=overdue)
+                threads = 4
+
+                def settle(invocation_id: str) -> str:
+                    try:
+                        return str(reconcile_invocation.run(invocation_id))
+                    finally:
+                        connection.close()
+
+                started = time.perf_counter()
+                with ThreadPoolExecutor(threads) as pool:
+                    outcomes = list(pool.map(settle, ids))
+                probe_seconds = time.perf_counter() - started
+            finally:
+                standin.stop()
+        settled = outcomes.count("recorded")
+        return {
+            "terminal": terminal,
+            "overdue": overdue,
+            "flagged": flagged,
+            "sweep_seconds": round(sweep_seconds, 3),
+            "flagged_per_second": round(flagged / sweep_seconds, 1),
+            "deadline_to_flagged_p50_ms": round(statistics.median(lags), 1),
+            "deadline_to_flagged_max_ms": round(max(lags), 1),
+            "settled": settled,
+            "probe_seconds": round(probe_seconds, 3),
+            "settled_per_second": round(settled / probe_seconds, 1),
+            "probe_threads": threads,
+        }
 
     @staticmethod
     def url(database: dict[str, Any], name: str) -> str:
@@ -344,4 +442,15 @@ class Command(BaseCommand):
         )
         for name, value in results["ratios"].items():
             out(f"ratio {name}: {value}")
+        rec = results["reconciliation"]
+        out(
+            f"sweep: {rec['overdue']} overdue among {rec['terminal']} terminal flagged in "
+            f"{rec['sweep_seconds']} s ({rec['flagged_per_second']}/s); deadline to flagged "
+            f"p50 {rec['deadline_to_flagged_p50_ms']} ms, "
+            f"max {rec['deadline_to_flagged_max_ms']} ms"
+        )
+        out(
+            f"probes: {rec['settled']} settled against the stand-in in {rec['probe_seconds']} s "
+            f"({rec['settled_per_second']}/s, {rec['probe_threads']} threads)"
+        )
         out(json.dumps(results, sort_keys=True))

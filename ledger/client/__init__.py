@@ -1,0 +1,26 @@
+"""The Invocation Ledger client for agent runtimes (httpx only; no Django)."""
+
+from ledger.client.runtime import (
+    BusinessFailure,
+    CallContext,
+    DispatchNotEstablished,
+    InvocationResult,
+    LedgerClient,
+    LedgerRequestError,
+    LedgerUnreachable,
+    NotDispatched,
+)
+from ledger.client.spool import FlushReport, Spool
+
+__all__ = [
+    "BusinessFailure",
+    "CallContext",
+    "DispatchNotEstablished",
+    "FlushReport",
+    "InvocationResult",
+    "LedgerClient",
+    "LedgerRequestError",
+    "LedgerUnreachable",
+    "NotDispatched",
+    "Spool",
+]

@@ -1,0 +1,304 @@
+"""The runtime side of the write-ahead protocol, for any Python agent runtime.
+
+    ledger = LedgerClient("https://ledger.internal", token, spool="/var/lib/agent/spool")
+    result = ledger.invoke(
+        task_id="ticket-81",
+        capability="refund.create",
+        arguments={"order": "SO-1", "amount": "12.50"},
+        idempotency_key="refund-SO-1",
+        call=lambda ctx: payments.refund("SO-1", "12.50", idempotency_key=ctx.idempotency_key),
+    )
+    if result.kind == "succeeded": ...
+    elif result.reconciliation_required: ...   # never retry this yourself
+
+The tool is called only after the ledger admitted the attempt. An exception from
+the tool is an outcome, not a crash: `BusinessFailure` → business_failed,
+`NotDispatched` → pre_dispatch_rejected, `DispatchNotEstablished` →
+dispatch_not_established, anything else → post_dispatch_evidence_failed. An outcome
+the ledger cannot take is kept in the durable spool and delivered by `flush()`; the
+caller then gets `post_dispatch_evidence_failed`, never a generic error.
+
+Depends on httpx only (no Django): this package can be copied or vendored alone.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ledger.client.spool import FlushReport, Record, Spool
+
+
+class BusinessFailure(Exception):
+    """Raise from a tool when the business system refused or rolled back."""
+
+    def __init__(self, code: str, message: str = "", *, retryable: bool = False) -> None:
+        super().__init__(message or code)
+        self.code, self.message, self.retryable = code, message, retryable
+
+
+class NotDispatched(Exception):
+    """Raise from a tool when the request certainly never left the runtime."""
+
+
+class DispatchNotEstablished(Exception):
+    """Raise from a tool when it cannot tell whether the request was sent."""
+
+
+class LedgerUnreachable(Exception):
+    """The ledger did not answer (after the retries that are safe)."""
+
+
+class LedgerRequestError(Exception):
+    """The ledger refused a request as malformed or conflicting: a bug to fix."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        error = body.get("error", {}) if isinstance(body, Mapping) else {}
+        super().__init__(f"{status} {error.get('type')}: {error.get('message')}")
+        self.status, self.type, self.body = status, error.get("type"), body
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What the tool call needs to pass to the business system."""
+
+    invocation_id: str
+    attempt_id: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True)
+class InvocationResult:
+    kind: str  # an outcome kind, or attempt_refused / attempt_in_flight
+    invocation_id: str
+    attempt_id: str | None
+    task_id: str
+    status: str | None
+    retryable: bool
+    reconciliation_required: bool
+    next_action: str
+    value: Any = None
+    business_reference: str = ""
+    error: str = ""
+    flags: list[str] = field(default_factory=list)
+
+
+SAFE_STATUS = 503  # ledger_unavailable: nothing was recorded
+
+
+class LedgerClient:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        spool: str | None = None,
+        timeout: float = 5.0,
+        retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.http = httpx.Client(
+            base_url=url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout,
+            limits=httpx.Limits(max_keepalive_connections=8),
+            transport=transport,
+        )
+        self.spool = Spool(spool) if spool else None
+        self.retries = retries
+
+    def close(self) -> None:
+        self.http.close()
+
+    # Transport ------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """Resend only what the API marks safe: a 503 ledger_unavailable, or a
+        connection refused before anything was sent."""
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.http.request(method, path, json=body)
+            except httpx.ConnectError as exc:
+                last = f"connection failed: {exc}"
+            except httpx.HTTPError as exc:
+                raise LedgerUnreachable(f"{type(exc).__name__}: {exc}") from exc
+            else:
+                payload = response.json() if response.content else None
+                if response.status_code != SAFE_STATUS:
+                    return response.status_code, payload
+                last = "ledger_unavailable"
+            if attempt < self.retries:
+                time.sleep(0.2 * 2**attempt)
+        raise LedgerUnreachable(last)
+
+    # The protocol -----------------------------------------------------------
+
+    def invoke(
+        self,
+        *,
+        task_id: str,
+        capability: str,
+        arguments: Any,
+        idempotency_key: str,
+        call: Callable[[CallContext], Any],
+        subject: str = "",
+        approval: Mapping[str, Any] | None = None,
+        invocation_id: str | None = None,
+        reference: Callable[[Any], str] | None = None,
+    ) -> InvocationResult:
+        """Intent with the first attempt, the call if admitted, then the outcome."""
+        invocation_id = invocation_id or f"inv-{uuid.uuid4().hex}"
+        attempt_id = "a1"
+        intent: dict[str, Any] = {
+            "invocation_id": invocation_id,
+            "task_id": task_id,
+            "capability": capability,
+            "arguments": arguments,
+            "idempotency_key": idempotency_key,
+            "attempt_id": attempt_id,
+        }
+        if subject:
+            intent["subject"] = subject
+        if approval:
+            intent["approval"] = dict(approval)
+        try:
+            status, body = self._request("POST", "/api/v1/intents", intent)
+        except LedgerUnreachable as exc:
+            # Nothing was dispatched: the tool is not called, and trying later is safe.
+            return InvocationResult(
+                "pre_dispatch_rejected", invocation_id, None, task_id, None,
+                retryable=True, reconciliation_required=False, next_action="retry",
+                error=f"intent not recorded: {exc}",
+            )  # fmt: skip
+        refused = self._refusal(status, body, invocation_id, attempt_id, task_id)
+        if refused:
+            return refused
+        context = CallContext(invocation_id, attempt_id, idempotency_key)
+        return self._dispatch(context, task_id, call, reference)
+
+    def retry(
+        self,
+        invocation_id: str,
+        call: Callable[[CallContext], Any],
+        *,
+        reference: Callable[[Any], str] | None = None,
+    ) -> InvocationResult:
+        """A new attempt under the same ids and key, only if the ledger admits it."""
+        status, current = self._request("GET", f"/api/v1/invocations/{invocation_id}")
+        if status != 200:
+            raise LedgerRequestError(status, current)
+        attempt_id = f"a{len(current['attempts']) + 1}"
+        status, body = self._request(
+            "POST", f"/api/v1/invocations/{invocation_id}/attempts", {"attempt_id": attempt_id}
+        )
+        refused = self._refusal(status, body, invocation_id, attempt_id, current["task_id"])
+        if refused:
+            return refused
+        context = CallContext(invocation_id, attempt_id, current["idempotency_key"])
+        return self._dispatch(context, current["task_id"], call, reference)
+
+    def _refusal(
+        self, status: int, body: Any, invocation_id: str, attempt_id: str, task_id: str
+    ) -> InvocationResult | None:
+        if status in (200, 201) and body.get("status") == "in_flight":
+            return None
+        error = body.get("error", {}) if isinstance(body, Mapping) else {}
+        if status in (200, 201) or error.get("type") in ("attempt_refused", "attempt_in_flight"):
+            state = body if status in (200, 201) else error.get("details", {}).get("state", {})
+            return InvocationResult(
+                error.get("type", "attempt_refused"), invocation_id, attempt_id, task_id,
+                state.get("status"), retryable=bool(state.get("retryable")),
+                reconciliation_required=bool(state.get("reconciliation_required")),
+                next_action=state.get("next_action", "none"),
+                error=error.get("message", "the ledger admitted no new attempt"),
+                flags=list(state.get("flags", [])),
+            )  # fmt: skip
+        raise LedgerRequestError(status, body)
+
+    def _dispatch(
+        self,
+        context: CallContext,
+        task_id: str,
+        call: Callable[[CallContext], Any],
+        reference: Callable[[Any], str] | None,
+    ) -> InvocationResult:
+        value, error = None, ""
+        outcome: dict[str, Any]
+        try:
+            value = call(context)
+            business_reference = reference(value) if reference else ""
+            outcome = {"kind": "succeeded"}
+            if business_reference:
+                outcome["business_reference"] = business_reference
+        except BusinessFailure as failure:
+            error = failure.message or failure.code
+            outcome = {
+                "kind": "business_failed",
+                "retryable": failure.retryable,
+                "error": {"code": failure.code[:128]},
+            }
+            if failure.message:
+                outcome["error"]["message"] = failure.message[:4000]
+        except NotDispatched as exc:
+            error, outcome = str(exc), {"kind": "pre_dispatch_rejected"}
+        except DispatchNotEstablished as exc:
+            error, outcome = str(exc), {"kind": "dispatch_not_established"}
+        except Exception as exc:  # the effect may have happened: never a blind retry
+            error = f"{type(exc).__name__}: {exc}"
+            outcome = {
+                "kind": "post_dispatch_evidence_failed",
+                "error": {"code": type(exc).__name__},
+            }
+            if str(exc):
+                outcome["error"]["message"] = str(exc)[:4000]
+        path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
+        try:
+            status, body = self._request("POST", path, outcome)
+        except LedgerUnreachable as exc:
+            if self.spool:
+                self.spool.append(Record(path, outcome))
+            return InvocationResult(
+                "post_dispatch_evidence_failed", context.invocation_id, context.attempt_id,
+                task_id, None, retryable=False, reconciliation_required=True,
+                next_action="reconcile", value=value,
+                business_reference=outcome.get("business_reference", ""),
+                error=f"outcome not recorded ({exc}); "
+                + ("kept in the spool" if self.spool else "no spool configured"),
+            )  # fmt: skip
+        if status not in (200, 201):
+            raise LedgerRequestError(status, body)
+        return InvocationResult(
+            outcome["kind"], context.invocation_id, context.attempt_id, task_id,
+            body["status"], retryable=body["retryable"],
+            reconciliation_required=body["reconciliation_required"],
+            next_action=body["next_action"], value=value,
+            business_reference=outcome.get("business_reference", ""), error=error,
+            flags=body["flags"],
+        )  # fmt: skip
+
+    # The spool ---------------------------------------------------------------
+
+    def flush(self) -> FlushReport:
+        """Deliver spooled outcomes in order; replays are harmless."""
+        if self.spool is None:
+            return FlushReport()
+        refused: list[str] = []
+
+        def send(record: Record) -> str | None:
+            try:
+                status, body = self._request("POST", record.path, record.body)
+            except LedgerUnreachable as exc:
+                return str(exc)
+            if status not in (200, 201):
+                # Resending cannot change the answer: report it, keep going.
+                refused.append(f"{record.path}: {status} {body}")
+            return None
+
+        report = self.spool.deliver(send)
+        report.damaged.extend(f"refused: {line}" for line in refused)
+        return report

@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ledger.models import Capability, Runtime, RuntimeToken
+
+
+class TcpProxy:
+    """A port in front of the live server that a test can take down and bring back."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.listener: socket.socket | None = None
+        self.connections: list[socket.socket] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> TcpProxy:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.listener:
+            # shutdown wakes the thread blocked in accept(); close alone would not.
+            with contextlib.suppress(OSError):
+                self.listener.shutdown(socket.SHUT_RDWR)
+            self.listener.close()
+            self.listener = None
+        for conn in self.connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        self.connections.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.connections += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def token(transactional_db: None) -> str:
+    Capability.objects.create(scope="refund.create", risk_level="medium")
+    _, token = RuntimeToken.issue(runtime=Runtime.objects.create(name="client-tests"))
+    return token
+
+
+@pytest.fixture
+def proxy(live_server: Any) -> Iterator[TcpProxy]:
+    host, port = live_server.url.removeprefix("http://").split(":")
+    proxy = TcpProxy((host, int(port))).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+# The conformance kit needs real workers, as reconciliation's tests do.
+from tests.reconciliation.conftest import workers  # noqa: E402, F401
