@@ -31,10 +31,11 @@ def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
     compare-and-set, so an outcome that arrives meanwhile wins and nothing is
     flagged twice.
     """
-    now = now or timezone.now()
     flagged = 0
     while True:
-        candidates = overdue_invocation_ids(now=now, limit=batch)
+        # An explicit `now` (tests) also stamps the events; otherwise each flag
+        # carries the moment it was made.
+        candidates = overdue_invocation_ids(now=now or timezone.now(), limit=batch)
         done = [i for i in candidates if flag_missing_evidence(invocation_id=i, now=now)]
         flagged += len(done)
         if len(candidates) < batch or not done:

@@ -10,7 +10,6 @@ import socket
 
 from celery import shared_task
 
-from ledger.models import Capability, Invocation
 from reconciliation import probes, services, sweeper
 
 log = logging.getLogger(__name__)
@@ -37,14 +36,11 @@ def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
     invocation = services.invocation_claim(invocation_id=invocation_id, worker=worker, force=force)
     if invocation is None:
         return "not claimed"
-    capability = (
-        Capability.objects.filter(pk=invocation.capability_id).first()  # type: ignore[attr-defined]
-        if invocation.capability_id  # type: ignore[attr-defined]
-        else None
-    )
+    # The claim loaded the invocation with its capability: no further queries.
+    capability = invocation.capability if invocation.capability_id else None  # type: ignore[attr-defined]
     config = capability.probe if capability else {}
     try:
-        result = probes.run(config, Invocation.objects.get(pk=invocation.pk))
+        result = probes.run(config, invocation)
     except probes.ProbeConfigError as exc:
         log.warning("probe misconfigured invocation=%s error=%s", invocation_id, exc)
         result = probes.ProbeResult(probes.Finding.INCONCLUSIVE, detail=f"misconfigured: {exc}")

@@ -10,6 +10,9 @@ import pytest
 
 from ledger.models import Capability, Runtime, RuntimeToken
 
+# Real workers and the stand-in, as reconciliation's tests use them.
+from tests.reconciliation.conftest import standin, workers  # noqa: F401
+
 
 class TcpProxy:
     """A port in front of the live server that a test can take down and bring back."""
@@ -87,7 +90,3 @@ def proxy(live_server: Any) -> Iterator[TcpProxy]:
         yield proxy
     finally:
         proxy.stop()
-
-
-# The conformance kit needs real workers, as reconciliation's tests do.
-from tests.reconciliation.conftest import workers  # noqa: E402, F401

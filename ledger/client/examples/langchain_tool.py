@@ -1,0 +1,54 @@
+"""A LangChain tool whose business effect goes through the ledger.
+
+The agent framework sees an ordinary tool. Behind it, the intent is recorded before
+the refund is sent, the outcome after; if the outcome is unknown the model is told
+plainly not to retry, and a repeated request for the same order is answered from
+the ledger instead of refunding twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from langchain_core.tools import BaseTool, tool
+
+from ledger.client import BusinessFailure, LedgerClient, LedgerRequestError
+
+# The business call: (order, amount, idempotency_key) -> {"id": ...}; raises
+# BusinessFailure when the payments system refuses.
+Refund = Callable[[str, float, str], dict[str, Any]]
+
+
+def refund_tool(ledger: LedgerClient, refund: Refund, *, task_id: str) -> BaseTool:
+    @tool
+    def create_refund(order: str, amount: float) -> str:
+        """Refund an order. Returns the refund id, or why there is none."""
+        try:
+            result = ledger.invoke(
+                task_id=task_id,
+                capability="refund.create",
+                arguments={"order": order, "amount": amount},
+                idempotency_key=f"refund-{order}",
+                call=lambda ctx: refund(order, amount, ctx.idempotency_key),
+                reference=lambda value: value["id"],
+            )
+        except LedgerRequestError as error:
+            if error.type == "idempotency_key_in_use":
+                return f"A refund for {order} was already requested; do not request it again."
+            raise
+        if result.kind == "succeeded":
+            return f"Refunded {order}: {result.business_reference}."
+        if result.reconciliation_required:
+            return (
+                f"The refund for {order} may or may not have happened; the ledger is "
+                "finding out. Do not retry it; tell the user it is being checked."
+            )
+        if result.kind == "business_failed":
+            return f"The payments system refused the refund for {order}: {result.error}."
+        return f"The refund for {order} was not sent ({result.kind}); it is safe to try again."
+
+    return create_refund
+
+
+__all__ = ["BusinessFailure", "refund_tool"]

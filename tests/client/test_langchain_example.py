@@ -1,0 +1,55 @@
+"""The LangChain example, driven as the framework would call it; no model involved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from ledger.client import BusinessFailure, LedgerClient
+from ledger.client.examples.langchain_tool import refund_tool
+from ledger.models import Invocation
+from reconciliation.standin import StandInService
+
+
+def payments(standin: StandInService) -> Any:
+    def refund(order: str, amount: float, key: str) -> dict[str, Any]:
+        made = httpx.post(
+            f"{standin.url}/refunds",
+            json={"idempotency_key": key, "order": order, "amount": amount},
+        )
+        if made.status_code == 422:
+            raise BusinessFailure(made.json()["error"])
+        return made.json()  # type: ignore[no-any-return]
+
+    return refund
+
+
+def test_the_tool_refunds_once_and_tells_the_model_not_to_repeat(
+    live_server: Any, token: str, standin: StandInService
+) -> None:
+    tool = refund_tool(LedgerClient(live_server.url, token), payments(standin), task_id="chat-1")
+    first = tool.invoke({"order": "SO-1", "amount": 12.5})
+    assert first.startswith("Refunded SO-1: RF-")
+    again = tool.invoke({"order": "SO-1", "amount": 12.5})
+    assert again == "A refund for SO-1 was already requested; do not request it again."
+    refused = tool.invoke({"order": "SO-2", "amount": 50_000})
+    assert refused == "The payments system refused the refund for SO-2: refund_limit_exceeded."
+    assert standin.refunds.count() == 1
+    assert dict(Invocation.objects.values_list("idempotency_key", "status")) == {
+        "refund-SO-1": "succeeded",
+        "refund-SO-2": "failed",
+    }
+
+
+def test_an_unknown_outcome_tells_the_model_not_to_retry(
+    live_server: Any, token: str, standin: StandInService
+) -> None:
+    def times_out(order: str, amount: float, key: str) -> dict[str, Any]:
+        payments(standin)(order, amount, key)
+        raise TimeoutError("payments did not answer")
+
+    tool = refund_tool(LedgerClient(live_server.url, token), times_out, task_id="chat-2")
+    answer = tool.invoke({"order": "SO-3", "amount": 1})
+    assert "Do not retry it" in answer
+    assert Invocation.objects.get().status == "reconciliation_required"
