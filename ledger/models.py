@@ -411,6 +411,44 @@ class Event(models.Model):
             models.UniqueConstraint(fields=["invocation", "seq"], name="event_seq_unique"),
         ]
         # The timeline of one invocation is read through event_seq_unique.
+        indexes = [
+            # The sealer's look for unsealed events, and audit searches by time.
+            models.Index(fields=["created_at"], name="event_created_at"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.invocation_id}#{self.seq} {self.kind}"
+
+
+class Seal(models.Model):
+    """A checkpoint over every event sealed since the previous seal.
+
+    `merkle_root` covers the sealed events' hashes in their global sequence order;
+    `hash = sha256(prev_hash ‖ canonical(seal))` chains the seals. Append-only.
+    """
+
+    first_sequence = models.BigIntegerField()
+    last_sequence = models.BigIntegerField()
+    event_count = models.PositiveIntegerField()
+    merkle_root = models.CharField(max_length=64)
+    created_at = models.DateTimeField(default=timezone.now)
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64, unique=True)
+
+    def __str__(self) -> str:
+        return f"seal {self.pk} ({self.first_sequence}-{self.last_sequence})"
+
+
+class SealedEvent(models.Model):
+    """An event's place in the global order, given when it was sealed (append-only).
+
+    Event ids are not commit order, so the sealer numbers events as it finds them
+    committed; the sequence is what seals and exports are ordered by.
+    """
+
+    sequence = models.BigIntegerField(primary_key=True)
+    event = models.OneToOneField(Event, on_delete=models.PROTECT, related_name="sealed")
+    seal = models.ForeignKey(Seal, on_delete=models.PROTECT, related_name="entries")
+
+    def __str__(self) -> str:
+        return f"#{self.sequence}: {self.event_id}"  # type: ignore[attr-defined]

@@ -232,7 +232,12 @@ LEDGER_PROBE_SECRETS = {
 }
 # Python probes that may be named in a capability's probe configuration.
 LEDGER_PYTHON_PROBES = [p for p in os.environ.get("LEDGER_PYTHON_PROBES", "").split(",") if p]
+LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60)
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
+    "seal-new-events": {
+        "task": "ledger.tasks.seal_new_events",
+        "schedule": float(LEDGER_SEAL_INTERVAL_SECONDS),
+    },
     "sweep-overdue-attempts": {
         "task": "reconciliation.tasks.sweep_overdue_attempts",
         "schedule": float(LEDGER_SWEEP_INTERVAL_SECONDS),

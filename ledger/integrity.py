@@ -1,0 +1,205 @@
+"""Tamper evidence: sealing events and verifying chains, seals and projections."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from django.db import connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from ledger import chain
+from ledger.models import Event, Invocation, Seal, SealedEvent
+from ledger.services import event_body
+
+# Events are written by single statements that take milliseconds; an event committed
+# later than this after it was stamped would be left for a later seal to pick up.
+SEAL_LOOKBACK = dt.timedelta(minutes=10)
+SEAL_BATCH = 50_000
+
+
+def merkle_root(leaves: Iterable[str]) -> str:
+    """Binary Merkle tree over hex leaf hashes (the last node repeated on odd levels)."""
+    level = [bytes.fromhex(leaf) for leaf in leaves]
+    if not level:
+        return hashlib.sha256(b"").hexdigest()
+    while len(level) > 1:
+        if len(level) % 2:
+            level.append(level[-1])
+        level = [
+            hashlib.sha256(a + b).digest() for a, b in zip(level[::2], level[1::2], strict=True)
+        ]
+    return level[0].hex()
+
+
+def seal_body(seal: Seal) -> dict[str, object]:
+    return {
+        "first_sequence": seal.first_sequence,
+        "last_sequence": seal.last_sequence,
+        "event_count": seal.event_count,
+        "merkle_root": seal.merkle_root,
+        "created_at": seal.created_at.astimezone(dt.UTC).isoformat(),
+        "prev_hash": seal.prev_hash,
+    }
+
+
+@transaction.atomic
+def seal_events(*, now: dt.datetime | None = None) -> Seal | None:
+    """Number the committed, unsealed events and checkpoint them in a new seal.
+
+    One sealer at a time (an advisory lock); None when there is nothing new.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.seal_events'))")
+    now = now or timezone.now()
+    last = Seal.objects.order_by("-last_sequence").first()
+    since = (last.created_at - SEAL_LOOKBACK) if last else None
+    unsealed = Event.objects.filter(sealed__isnull=True)
+    if since is not None:
+        unsealed = unsealed.filter(created_at__gte=since)
+    events = list(unsealed.order_by("created_at", "id").values_list("id", "hash")[:SEAL_BATCH])
+    if not events:
+        return None
+    first = (last.last_sequence if last else 0) + 1
+    seal = Seal(
+        first_sequence=first,
+        last_sequence=first + len(events) - 1,
+        event_count=len(events),
+        merkle_root=merkle_root(h for _, h in events),
+        created_at=now,
+        prev_hash=last.hash if last else chain.GENESIS_HASH,
+    )
+    seal.hash = chain.event_hash(seal.prev_hash, seal_body(seal))
+    seal.save()
+    SealedEvent.objects.bulk_create(
+        SealedEvent(sequence=first + i, event_id=event_id, seal=seal)
+        for i, (event_id, _) in enumerate(events)
+    )
+    return seal
+
+
+@dataclass
+class Break:
+    what: str  # "chain", "seal" or "projection"
+    where: str
+    expected: str
+    found: str
+
+    def __str__(self) -> str:
+        return f"{self.what} broken at {self.where}: expected {self.expected}, found {self.found}"
+
+
+@dataclass
+class Report:
+    invocations: int = 0
+    events: int = 0
+    seals: int = 0
+    projections: int = 0
+    breaks: list[Break] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.breaks
+
+
+def _chain_breaks(invocation: Invocation, events: list[Event]) -> Iterator[Break]:
+    prev = chain.GENESIS_HASH
+    for expected_seq, event in enumerate(events, start=1):
+        where = f"invocation {invocation.invocation_id} event #{expected_seq}"
+        if event.seq != expected_seq:
+            yield Break("chain", where, f"seq {expected_seq}", f"seq {event.seq}")
+            return
+        if event.prev_hash != prev:
+            yield Break("chain", where, f"prev_hash {prev}", f"prev_hash {event.prev_hash}")
+            return
+        computed = chain.event_hash(event.prev_hash, event_body(event, invocation.invocation_id))
+        if computed != event.hash:
+            yield Break("chain", where, f"hash {computed}", f"hash {event.hash}")
+            return
+        prev = event.hash
+    if invocation.head_hash != prev or invocation.event_count != len(events):
+        yield Break(
+            "chain",
+            f"invocation {invocation.invocation_id} head",
+            f"{len(events)} events ending {prev}",
+            f"{invocation.event_count} events ending {invocation.head_hash}",
+        )
+
+
+PROJECTED = ("status", "failure_class", "cause", "resolution", "flags", "attempt_count")
+
+
+def _projection_breaks(invocation: Invocation, last: Event | None) -> Iterator[Break]:
+    """The projection must equal the state the last event recorded."""
+    if last is None:
+        return
+    state = last.data.get("state", {})
+    for name in PROJECTED:
+        recorded = state.get(name)
+        current = getattr(invocation, name)
+        if name in ("failure_class", "cause", "resolution"):
+            current = current or None
+        if recorded != current:
+            yield Break(
+                "projection",
+                f"invocation {invocation.invocation_id} {name}",
+                repr(recorded),
+                repr(current),
+            )
+
+
+def verify(
+    *,
+    since: dt.datetime | None = None,
+    until: dt.datetime | None = None,
+    projections: bool = False,
+) -> Report:
+    """Recompute every chain with events in the range, every seal in it, and
+    (optionally) every projection; collect each break, first per invocation."""
+    report = Report()
+    window = Q()
+    if since:
+        window &= Q(created_at__gte=since)
+    if until:
+        window &= Q(created_at__lt=until)
+    touched = Event.objects.filter(window).values("invocation_id").distinct()
+    invocations = Invocation.objects.filter(pk__in=touched).order_by("pk")
+    for invocation in invocations.iterator(chunk_size=500):
+        events = list(invocation.events.order_by("seq", "id"))
+        report.invocations += 1
+        report.events += len(events)
+        report.breaks.extend(_chain_breaks(invocation, events))
+        if projections:
+            report.projections += 1
+            report.breaks.extend(_projection_breaks(invocation, events[-1] if events else None))
+    seals = Seal.objects.filter(window).order_by("first_sequence")
+    previous = Seal.objects.filter(first_sequence__lt=seals.values("first_sequence")[:1])
+    prev_hash = previous.order_by("-first_sequence").values_list("hash", flat=True).first()
+    for seal in seals:
+        report.seals += 1
+        where = f"seal {seal.pk} (sequence {seal.first_sequence}-{seal.last_sequence})"
+        if prev_hash is not None and seal.prev_hash != prev_hash:
+            report.breaks.append(Break("seal", where, f"prev_hash {prev_hash}", seal.prev_hash))
+        leaves = list(
+            SealedEvent.objects.filter(seal=seal)
+            .order_by("sequence")
+            .values_list("event__hash", flat=True)
+        )
+        root = merkle_root(leaves)
+        if len(leaves) != seal.event_count or root != seal.merkle_root:
+            report.breaks.append(
+                Break(
+                    "seal",
+                    where,
+                    f"root {seal.merkle_root}",
+                    f"root {root} over {len(leaves)} events",
+                )
+            )
+        computed = chain.event_hash(seal.prev_hash, seal_body(seal))
+        if computed != seal.hash:
+            report.breaks.append(Break("seal", where, f"hash {computed}", f"hash {seal.hash}"))
+        prev_hash = seal.hash
+    return report

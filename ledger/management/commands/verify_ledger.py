@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from ledger.integrity import verify
+
+
+def moment(value: str) -> dt.datetime:
+    parsed = dt.datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+class Command(BaseCommand):
+    help = (
+        "Recompute every invocation's hash chain and every seal (events and seals created "
+        "in [--since, --until)), and with --projections compare each invocation row with "
+        "the state its last event recorded. Names every broken link; exit status 1 if any."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--since", type=moment, help="ISO 8601 time (UTC if no zone)")
+        parser.add_argument("--until", type=moment, help="ISO 8601 time (UTC if no zone)")
+        parser.add_argument("--projections", action="store_true")
+
+    def handle(self, *args: Any, since: Any, until: Any, projections: bool, **options: Any) -> None:
+        report = verify(since=since, until=until, projections=projections)
+        for broken in report.breaks:
+            self.stdout.write(f"BROKEN {broken}")
+        summary = (
+            f"{report.invocations} invocations, {report.events} events, {report.seals} seals"
+            + (f", {report.projections} projections" if projections else "")
+        )
+        if not report.ok:
+            raise CommandError(f"{len(report.breaks)} broken link(s) in {summary}")
+        self.stdout.write(f"OK: {summary} verified")

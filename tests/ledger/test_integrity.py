@@ -1,0 +1,148 @@
+"""Tamper evidence: each kind of tampering, done as a superuser would, is reported
+exactly where it happened; an untouched ledger verifies clean."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+from django.db.utils import ProgrammingError
+
+from ledger import chain
+from ledger.integrity import merkle_root, seal_events, verify
+from ledger.models import Capability, Event, Seal, SealedEvent
+from tests.conftest import Api
+
+
+@pytest.fixture
+def ledger(api: Api, refund: Capability) -> Api:
+    """Three invocations with events, sealed once, then one more event unsealed."""
+    for n in (1, 2, 3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference=f"RF-{n}")
+    assert seal_events() is not None
+    api.intent(invocation_id="inv-4", idempotency_key="k-4")
+    return api
+
+
+def superuser_sql(sql: str, *params: object) -> None:
+    """Tampering as a superuser, who can switch every trigger off for a session."""
+    with connection.cursor() as cursor:
+        cursor.execute("SET session_replication_role = replica")
+        try:
+            cursor.execute(sql, params)
+        finally:
+            cursor.execute("SET session_replication_role = origin")
+
+
+def verify_command(*args: str) -> str:
+    out = io.StringIO()
+    call_command("verify_ledger", *args, stdout=out)
+    return out.getvalue()
+
+
+def event_id(invocation_id: str, seq: int) -> int:
+    return Event.objects.get(invocation__invocation_id=invocation_id, seq=seq).pk
+
+
+def test_an_untouched_ledger_verifies_clean(ledger: Api) -> None:
+    report = verify(projections=True)
+    assert report.ok, report.breaks
+    assert (report.invocations, report.events, report.seals) == (4, 10, 1)
+    assert verify_command("--projections").startswith("OK: 4 invocations, 10 events, 1 seals")
+
+
+def test_an_altered_payload_is_found(ledger: Api) -> None:
+    superuser_sql(
+        "UPDATE ledger_event SET data = jsonb_set(data, '{business_reference}', '\"RF-X\"') "
+        "WHERE id = %s",
+        event_id("inv-2", 3),
+    )
+    breaks = verify().breaks
+    assert [(b.what, b.where) for b in breaks] == [("chain", "invocation inv-2 event #3")]
+    assert breaks[0].expected != breaks[0].found
+    with pytest.raises(CommandError, match="1 broken link"):
+        verify_command()
+
+
+def test_a_deleted_event_is_found(ledger: Api) -> None:
+    superuser_sql("DELETE FROM ledger_sealedevent WHERE event_id = %s", event_id("inv-1", 2))
+    superuser_sql("DELETE FROM ledger_event WHERE id = %s", event_id("inv-1", 2))
+    breaks = verify().breaks
+    assert (breaks[0].what, breaks[0].where) == ("chain", "invocation inv-1 event #2")
+    assert (breaks[0].expected, breaks[0].found) == ("seq 2", "seq 3")
+    # The seal no longer covers what it sealed.
+    assert [b.what for b in breaks[1:]] == ["seal"]
+
+
+def test_two_reordered_events_are_found(ledger: Api) -> None:
+    second, third = event_id("inv-3", 2), event_id("inv-3", 3)
+    superuser_sql("UPDATE ledger_event SET seq = 0 WHERE id = %s", second)
+    superuser_sql("UPDATE ledger_event SET seq = 2 WHERE id = %s", third)
+    superuser_sql("UPDATE ledger_event SET seq = 3 WHERE id = %s", second)
+    breaks = verify().breaks
+    assert [(b.what, b.where) for b in breaks] == [("chain", "invocation inv-3 event #2")]
+
+
+def test_a_changed_seal_is_found(ledger: Api) -> None:
+    superuser_sql("UPDATE ledger_seal SET merkle_root = repeat('0', 64)")
+    breaks = verify().breaks
+    assert {(b.what, b.where.split(" (")[0]) for b in breaks} == {
+        ("seal", f"seal {Seal.objects.get().pk}")
+    }
+
+
+def test_a_rewritten_projection_is_found(ledger: Api) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE ledger_invocation SET status = 'failed' WHERE invocation_id = 'inv-1'"
+        )
+    assert verify().ok  # the chains are intact…
+    breaks = verify(projections=True).breaks
+    assert [(b.where, b.expected, b.found) for b in breaks] == [
+        ("invocation inv-1 status", "'succeeded'", "'failed'")
+    ]
+
+
+def test_seals_number_events_contiguously_and_chain(ledger: Api) -> None:
+    first = Seal.objects.get()
+    assert (first.first_sequence, first.last_sequence, first.prev_hash) == (1, 9, "0" * 64)
+    second = seal_events()
+    assert second is not None
+    assert (second.first_sequence, second.last_sequence) == (10, 10)
+    assert second.prev_hash == first.hash
+    assert seal_events() is None  # nothing new
+    hashes = SealedEvent.objects.filter(seal=first).order_by("sequence")
+    assert first.merkle_root == merkle_root(hashes.values_list("event__hash", flat=True))
+
+
+def test_merkle_roots_commit_to_order_and_content() -> None:
+    leaves = [chain.digest(n).removeprefix("sha256:") for n in range(5)]
+    assert merkle_root(leaves) != merkle_root(leaves[::-1])
+    assert merkle_root(leaves) != merkle_root(leaves[:4])
+    assert merkle_root(leaves[:1]) == leaves[0]
+
+
+def test_the_application_role_cannot_rewrite_evidence(ledger: Api) -> None:
+    """The recommended role (README) holds SELECT and INSERT only on evidence."""
+    with connection.cursor() as cursor:
+        cursor.execute("CREATE ROLE ledger_app_test NOLOGIN")
+        cursor.execute(
+            "GRANT SELECT, INSERT ON ledger_event, ledger_seal, ledger_sealedevent "
+            "TO ledger_app_test"
+        )
+        cursor.execute("SET ROLE ledger_app_test")
+        try:
+            for statement in (
+                "UPDATE ledger_event SET kind = kind",
+                "DELETE FROM ledger_seal",
+            ):
+                cursor.execute("SAVEPOINT attempt")
+                with pytest.raises(ProgrammingError, match="permission denied"):
+                    cursor.execute(statement)
+                cursor.execute("ROLLBACK TO SAVEPOINT attempt")
+        finally:
+            cursor.execute("RESET ROLE")
