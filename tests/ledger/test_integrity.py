@@ -28,7 +28,7 @@ def ledger(api: Api, refund: Capability) -> Api:
     return api
 
 
-def superuser_sql(sql: str, *params: object) -> None:
+def superuser_sql(sql: str, *params: int) -> None:
     """Tampering as a superuser, who can switch every trigger off for a session."""
     with connection.cursor() as cursor:
         cursor.execute("SET session_replication_role = replica")
