@@ -260,12 +260,15 @@ class Invocation(models.Model):
     head_hash = models.CharField(max_length=64)
     updated_at = models.DateTimeField(default=timezone.now)
     # Reconciliation's bookkeeping, part of the projection too.
-    lease_owner = models.CharField(max_length=160, blank=True)
+    # Database defaults too, so rows written in bulk by SQL (COPY) need not name them.
+    lease_owner = models.CharField(max_length=160, blank=True, default="", db_default="")
     lease_expires_at = models.DateTimeField(null=True, blank=True)
-    probe_tries = models.PositiveSmallIntegerField(default=0)
+    probe_tries = models.PositiveSmallIntegerField(default=0, db_default=0)
     next_probe_at = models.DateTimeField(null=True, blank=True)
     # A person's resolution waiting for a second person: effect, reference, note, by.
     proposal = models.JSONField(null=True, blank=True)
+    # The operator working on it ("I'm on it"), so two people do not.
+    assignee = models.CharField(max_length=150, blank=True, default="", db_default="")
 
     objects = InvocationQuerySet.as_manager()
 

@@ -94,7 +94,7 @@ INVOCATION_COLUMNS = _stored_columns(Invocation)
 PROJECTION_COLUMNS = [
     "status", "failure_class", "cause", "resolution", "flags", "attempt_count",
     "in_flight_attempt", "deadline_at", "event_count", "head_hash", "updated_at",
-    "lease_owner", "lease_expires_at", "probe_tries", "next_probe_at", "proposal",
+    "lease_owner", "lease_expires_at", "probe_tries", "next_probe_at", "proposal", "assignee",
 ]  # fmt: skip
 ATTEMPT_COLUMNS = ["attempt_id", "number", "admitted_at", "deadline_at"]
 OUTCOME_COLUMNS = _stored_columns(Outcome, skip=["attempt"])

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.contrib.auth.views import LogoutView
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from ledger import views
 
@@ -11,6 +12,9 @@ urlpatterns = [
     path("readyz", views.readyz, name="readyz"),
     path("api/v1/", include("ledger.api.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="docs"),
     path("admin/", admin.site.urls),
+    path("accounts/login/", views.ThrottledLoginView.as_view(), name="login"),
+    path("accounts/logout/", LogoutView.as_view(), name="logout"),
+    path("", include("reconciliation.urls")),
 ]

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
+from django.contrib.auth.views import LoginView
+from django.core.cache import cache
 from django.db import connection
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from kombu import Connection
 
@@ -45,3 +49,30 @@ def readyz(request: HttpRequest) -> JsonResponse:
         "checks": {name: error or "ok" for name, error in checks.items()},
     }
     return JsonResponse(body, status=200 if body["status"] == "ok" else 503)
+
+
+class ThrottledLoginView(LoginView):
+    """Django's login, refusing a username/address pair after repeated failures."""
+
+    template_name = "registration/login.html"
+    redirect_authenticated_user = True
+    max_failures = 5
+    window_seconds = 300
+
+    def _key(self) -> str:
+        username = self.request.POST.get("username", "")[:150].lower()
+        return f"login-failures:{self.request.META.get('REMOTE_ADDR', '')}:{username}"
+
+    def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if cache.get(self._key(), 0) >= self.max_failures:
+            form = self.get_form()
+            form.errors.clear()
+            form.add_error(None, "Too many failed attempts; wait a few minutes and try again.")
+            return self.render_to_response(self.get_context_data(form=form), status=429)
+        return super().post(request, *args, **kwargs)
+
+    def form_invalid(self, form: Any) -> HttpResponse:
+        key = self._key()
+        cache.add(key, 0, self.window_seconds)
+        cache.incr(key)
+        return super().form_invalid(form)

@@ -26,6 +26,45 @@ def _refused(refused: policy.Refused) -> LedgerError:
     return LedgerError(refused.reason, refused.message, status=409)
 
 
+def _not_stale(invocation: Invocation, seen_event_count: int | None) -> None:
+    """A person acted on a page that no longer shows the invocation as it is."""
+    if seen_event_count is not None and invocation.event_count != seen_event_count:
+        raise LedgerError(
+            "stale",
+            "The invocation changed since this page was loaded; nothing was applied. "
+            "Look at it again.",
+            status=409,
+        )
+
+
+def invocation_assign(
+    *, invocation_id: str, actor: str, take: bool, seen_event_count: int | None = None
+) -> Invocation | None:
+    """An operator takes ("I'm on it") or gives back a flagged invocation."""
+    user = actor.removeprefix("user:")
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        _not_stale(invocation, seen_event_count)
+        if take:
+            if invocation.assignee and invocation.assignee != user:
+                raise LedgerError("assigned", f"{invocation.assignee} is already on it", status=409)
+            if invocation.assignee == user:
+                return None
+            invocation.assignee = user
+        else:
+            if invocation.assignee != user:
+                return None
+            invocation.assignee = ""
+        return {"assignee": invocation.assignee or None}
+
+    return invocation_transition(
+        invocation_id=invocation_id,
+        actor=actor,
+        kind="assigned" if take else "unassigned",
+        change=change,
+    )
+
+
 def invocation_claim(
     *, invocation_id: str, worker: str, now: dt.datetime | None = None, force: bool = False
 ) -> Invocation | None:
@@ -149,6 +188,7 @@ def invocation_resolve(
     effect: policy.Effect,
     business_reference: str = "",
     note: str,
+    seen_event_count: int | None = None,
 ) -> Invocation:
     """A person's resolution. High-risk invocations only get a proposal, which a
     second, different person must approve (invocation_approve)."""
@@ -162,6 +202,7 @@ def invocation_resolve(
         )
 
     def change(invocation: Invocation) -> dict[str, Any] | None:
+        _not_stale(invocation, seen_event_count)
         state = invocation.state()
         data = {"effect": effect.value, "business_reference": business_reference, "note": note}
         try:
@@ -182,10 +223,13 @@ def invocation_resolve(
     return changed
 
 
-def invocation_approve(*, invocation_id: str, actor: str, note: str = "") -> Invocation:
+def invocation_approve(
+    *, invocation_id: str, actor: str, note: str = "", seen_event_count: int | None = None
+) -> Invocation:
     """The second person confirms a proposed resolution."""
 
     def change(invocation: Invocation) -> dict[str, Any] | None:
+        _not_stale(invocation, seen_event_count)
         proposal = invocation.proposal
         if invocation.status != policy.Status.RESOLUTION_PROPOSED or not proposal:
             raise LedgerError("no_proposal", "there is no proposal to approve", status=409)
@@ -208,8 +252,11 @@ def invocation_approve(*, invocation_id: str, actor: str, note: str = "") -> Inv
     return changed
 
 
-def invocation_reject(*, invocation_id: str, actor: str, note: str) -> Invocation:
+def invocation_reject(
+    *, invocation_id: str, actor: str, note: str, seen_event_count: int | None = None
+) -> Invocation:
     def change(invocation: Invocation) -> dict[str, Any] | None:
+        _not_stale(invocation, seen_event_count)
         proposal = invocation.proposal
         try:
             invocation.apply_state(policy.reject_proposal(invocation.state()))

@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+from django import forms
+
+from ledger import policy
+from ledger.models import Capability
+
+
+class QueueFilterForm(forms.Form):
+    capability = forms.CharField(required=False)
+    runtime = forms.CharField(required=False)
+    risk = forms.ChoiceField(required=False, choices=[("", "any risk"), *Capability.Risk.choices])
+    cause = forms.ChoiceField(
+        required=False, choices=[("", "any cause"), *[(c.value, c.value) for c in policy.Cause]]
+    )
+    older_than_minutes = forms.IntegerField(required=False, min_value=0, label="older than (min)")
+    mine = forms.ChoiceField(
+        required=False,
+        choices=[("", "everyone's"), ("mine", "claimed by me"), ("unclaimed", "unclaimed")],
+    )
+
+
+class ActionForm(forms.Form):
+    """Every action carries the event count the page showed (stale-page guard)."""
+
+    seen_event_count = forms.IntegerField(widget=forms.HiddenInput, min_value=0)
+
+
+class ResolveForm(ActionForm):
+    effect = forms.ChoiceField(
+        choices=[
+            (policy.Effect.PRESENT.value, "the effect happened"),
+            (policy.Effect.ABSENT.value, "the effect did not happen"),
+        ],
+        widget=forms.RadioSelect,
+    )
+    business_reference = forms.CharField(required=False, max_length=256)
+    note = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=4000)
+
+    def clean(self) -> dict[str, object]:
+        data = super().clean() or {}
+        if data.get("effect") == policy.Effect.PRESENT and not data.get("business_reference"):
+            self.add_error("business_reference", "Name the business reference of the effect.")
+        return data
+
+
+class DecisionForm(ActionForm):
+    note = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))

@@ -1,0 +1,289 @@
+"""The operator console: queue, invocation page, actions and dashboard.
+
+One view serves a page and its htmx fragment; every action is a POST that goes
+through reconciliation.services and re-renders its fragment (or redirects without
+JavaScript). Permissions are checked here, never only in templates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Min, Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_GET, require_POST
+
+from ledger import chain, policy
+from ledger.models import Event, Invocation
+from ledger.services import LedgerError, event_body
+from reconciliation import services
+from reconciliation.forms import DecisionForm, QueueFilterForm, ResolveForm
+from reconciliation.tasks import reconcile_invocation
+
+ROLES = ("operator", "approver", "compliance", "admin")
+FLAGGED = sorted(s.value for s in policy.NEEDS_RECONCILIATION)
+
+
+def roles(user: Any) -> set[str]:
+    if user.is_superuser:
+        return set(ROLES)
+    return set(user.groups.values_list("name", flat=True)) & set(ROLES)
+
+
+def role_required(*allowed: str) -> Callable[..., Any]:
+    def decorator(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+        @wraps(view)
+        @login_required
+        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            request.roles = roles(request.user)  # type: ignore[attr-defined]
+            if not request.roles & set(allowed):  # type: ignore[attr-defined]
+                raise PermissionDenied
+            return view(request, *args, **kwargs)
+
+        return wrapped
+
+    return decorator
+
+
+READERS = ("operator", "approver", "compliance", "admin")
+ACTORS = ("operator", "approver", "admin")
+
+
+def actor(request: HttpRequest) -> str:
+    return f"user:{request.user.get_username()}"
+
+
+def fragment(request: HttpRequest, template: str, name: str) -> str:
+    return f"{template}#{name}" if request.htmx and not request.htmx.boosted else template  # type: ignore[attr-defined]
+
+
+# The queue --------------------------------------------------------------------
+
+
+def queue_rows(form: QueueFilterForm, user: Any) -> QuerySet[Invocation]:
+    rows = Invocation.objects.flagged().select_related("runtime")
+    if form.is_valid():
+        data = form.cleaned_data
+        if data["capability"]:
+            rows = rows.filter(capability_scope=data["capability"])
+        if data["runtime"]:
+            rows = rows.filter(runtime__name=data["runtime"])
+        if data["risk"]:
+            rows = rows.filter(risk_level=data["risk"])
+        if data["cause"]:
+            rows = rows.filter(cause=data["cause"])
+        if data["older_than_minutes"]:
+            cutoff = timezone.now() - dt.timedelta(minutes=data["older_than_minutes"])
+            rows = rows.filter(updated_at__lte=cutoff)
+        if data["mine"] == "mine":
+            rows = rows.filter(assignee=user.get_username())
+        elif data["mine"] == "unclaimed":
+            rows = rows.filter(assignee="")
+    # Riskiest first, then oldest.
+    risk_order = {"high": 0, "medium": 1, "low": 2}
+    return sorted(rows.order_by("updated_at")[:500], key=lambda r: risk_order[r.risk_level])  # type: ignore[return-value]
+
+
+def status_counts() -> dict[str, int]:
+    counted = dict(
+        Invocation.objects.flagged().values_list("status").annotate(n=Count("id")).order_by()
+    )
+    return {status: counted.get(status, 0) for status in FLAGGED}
+
+
+@require_GET
+@role_required(*READERS)
+def queue(request: HttpRequest) -> HttpResponse:
+    form = QueueFilterForm(request.GET or None)
+    context = {"form": form, "rows": queue_rows(form, request.user), "counts": status_counts()}
+    return render(request, fragment(request, "reconciliation/queue.html", "queue-rows"), context)
+
+
+@require_GET
+@role_required(*READERS)
+def queue_counts(request: HttpRequest) -> HttpResponse:
+    return render(request, "reconciliation/queue.html#counts", {"counts": status_counts()})
+
+
+# One invocation ---------------------------------------------------------------
+
+
+def timeline(invocation: Invocation) -> list[dict[str, Any]]:
+    """Every event with whether its link in the chain verifies."""
+    entries, prev = [], chain.GENESIS_HASH
+    for event in invocation.events.order_by("seq"):
+        computed = chain.event_hash(event.prev_hash, event_body(event, invocation.invocation_id))
+        entries.append(
+            {"event": event, "verified": event.prev_hash == prev and computed == event.hash}
+        )
+        prev = event.hash
+    return entries
+
+
+def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str, Any]:
+    user_roles = roles(request.user)
+    flagged = invocation.status in FLAGGED
+    seen = {"seen_event_count": invocation.event_count}
+    proposal = invocation.proposal or {}
+    return {
+        "invocation": invocation,
+        "state": invocation.state(),
+        "timeline": timeline(invocation),
+        "attempts": invocation.attempts.select_related("outcome").order_by("number"),
+        "probe_runs": invocation.events.filter(kind="probe_run").order_by("seq"),
+        "can_act": flagged and bool(user_roles & set(ACTORS)),
+        "can_decide": invocation.status == policy.Status.RESOLUTION_PROPOSED
+        and bool(user_roles & {"approver", "admin"})
+        and proposal.get("proposed_by") != actor(request),
+        "resolve_form": ResolveForm(initial=seen),
+        "decision_form": DecisionForm(initial=seen),
+        "seen": invocation.event_count,
+    }
+
+
+def _invocation(invocation_id: str) -> Invocation:
+    return get_object_or_404(
+        Invocation.objects.select_related("runtime"), invocation_id=invocation_id
+    )
+
+
+@require_GET
+@role_required(*READERS)
+def invocation_page(request: HttpRequest, invocation_id: str) -> HttpResponse:
+    invocation = _invocation(invocation_id)
+    template = fragment(request, "reconciliation/invocation.html", "detail")
+    return render(request, template, invocation_context(request, invocation))
+
+
+def _after_action(request: HttpRequest, invocation_id: str, done: str) -> HttpResponse:
+    messages.success(request, done)
+    if request.htmx:  # type: ignore[attr-defined]
+        invocation = _invocation(invocation_id)
+        return render(
+            request,
+            "reconciliation/invocation.html#detail",
+            invocation_context(request, invocation),
+        )
+    return redirect("console:invocation", invocation_id=invocation_id)
+
+
+def _refused(request: HttpRequest, invocation_id: str, error: LedgerError) -> HttpResponse:
+    messages.error(request, error.message)
+    response = _after_action(request, invocation_id, "")
+    response.status_code = 409 if request.htmx else 303  # type: ignore[attr-defined]
+    return response
+
+
+def _seen(request: HttpRequest) -> int | None:
+    raw = request.POST.get("seen_event_count", "")
+    return int(raw) if raw.isdigit() else None
+
+
+@require_POST
+@role_required(*ACTORS)
+def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
+    form = ResolveForm(request.POST)
+    if not form.is_valid():
+        context = invocation_context(request, _invocation(invocation_id))
+        context["resolve_form"] = form
+        status = 200 if request.htmx else 400  # type: ignore[attr-defined]
+        return render(request, "reconciliation/invocation.html#detail", context, status=status)
+    try:
+        result = services.invocation_resolve(
+            invocation_id=invocation_id,
+            actor=actor(request),
+            effect=policy.Effect(form.cleaned_data["effect"]),
+            business_reference=form.cleaned_data["business_reference"],
+            note=form.cleaned_data["note"],
+            seen_event_count=form.cleaned_data["seen_event_count"],
+        )
+    except LedgerError as error:
+        return _refused(request, invocation_id, error)
+    done = (
+        "Proposed; a second person must approve it."
+        if result.status == policy.Status.RESOLUTION_PROPOSED
+        else f"Resolved: {result.status}."
+    )
+    return _after_action(request, invocation_id, done)
+
+
+@require_POST
+@role_required("approver", "admin")
+def decide(request: HttpRequest, invocation_id: str, decision: str) -> HttpResponse:
+    form = DecisionForm(request.POST)
+    note = form.data.get("note", "")
+    try:
+        if decision == "approve":
+            services.invocation_approve(
+                invocation_id=invocation_id, actor=actor(request), note=note,
+                seen_event_count=_seen(request),
+            )  # fmt: skip
+        else:
+            services.invocation_reject(
+                invocation_id=invocation_id, actor=actor(request), note=note,
+                seen_event_count=_seen(request),
+            )  # fmt: skip
+    except LedgerError as error:
+        if error.type == "same_person":
+            raise PermissionDenied(error.message) from None
+        return _refused(request, invocation_id, error)
+    return _after_action(request, invocation_id, f"Proposal {decision}d.")
+
+
+@require_POST
+@role_required(*ACTORS)
+def assign(request: HttpRequest, invocation_id: str, take: bool) -> HttpResponse:
+    try:
+        services.invocation_assign(
+            invocation_id=invocation_id, actor=actor(request), take=take,
+            seen_event_count=_seen(request),
+        )  # fmt: skip
+    except LedgerError as error:
+        return _refused(request, invocation_id, error)
+    return _after_action(request, invocation_id, "You are on it." if take else "Released.")
+
+
+@require_POST
+@role_required(*ACTORS)
+def probe_now(request: HttpRequest, invocation_id: str) -> HttpResponse:
+    invocation = _invocation(invocation_id)
+    if invocation.status not in (
+        policy.Status.RECONCILIATION_REQUIRED,
+        policy.Status.ESCALATED,
+    ):
+        messages.error(request, f"The invocation is {invocation.status}; no probe to run.")
+        return _after_action(request, invocation_id, "")
+    reconcile_invocation.delay(invocation_id, force=True)
+    return _after_action(request, invocation_id, "Probe queued; this page shows its result.")
+
+
+# The dashboard -----------------------------------------------------------------
+
+
+@require_GET
+@role_required(*READERS)
+def dashboard(request: HttpRequest) -> HttpResponse:
+    hour_ago = timezone.now() - dt.timedelta(hours=1)
+    probes = Event.objects.filter(kind="probe_run", created_at__gte=hour_ago).aggregate(
+        runs=Count("id"),
+        failed=Count("id", filter=~Q(data__finding__in=["effect_present", "effect_absent"])),
+    )
+    context = {
+        "by_status": Invocation.objects.values("status").annotate(n=Count("id")).order_by("status"),
+        "oldest": Invocation.objects.flagged().aggregate(oldest=Min("updated_at"))["oldest"],
+        "by_capability": Invocation.objects.flagged()
+        .values("capability_scope")
+        .annotate(n=Count("id"))
+        .order_by("-n")[:20],
+        "probes": probes,
+        "failure_rate": (probes["failed"] / probes["runs"]) if probes["runs"] else None,
+    }
+    return render(request, "reconciliation/dashboard.html", context)

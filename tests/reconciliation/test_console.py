@@ -1,0 +1,209 @@
+"""The operator console: pages, fragments, permissions, actions and guard rails."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Group, User
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+
+from ledger.models import Capability, Invocation
+from ledger.services import flag_missing_evidence
+from tests.conftest import Api
+
+
+def person(name: str, *groups: str) -> Client:
+    user = User.objects.create_user(name, password="pw")
+    for group in groups:
+        user.groups.add(Group.objects.get(name=group))
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def flagged(api: Api, refund: Capability) -> str:
+    Capability.objects.filter(pk=refund.pk).update(risk_level="medium")
+    api.intent(attempt_id="a1")
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+    return "inv-1"
+
+
+@pytest.fixture
+def operator(db: None) -> Client:
+    return person("olga", "operator")
+
+
+@pytest.fixture
+def compliance(db: None) -> Client:
+    return person("carl", "compliance")
+
+
+PAGES = ["/", "/dashboard/", "/invocations/inv-1/", "/queue/counts"]
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_anonymous_people_are_sent_to_log_in(flagged: str, client: Client, path: str) -> None:
+    response = client.get(path)
+    assert response.status_code == 302
+    assert response["Location"].startswith("/accounts/login/")
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_people_without_a_role_are_refused(flagged: str, path: str) -> None:
+    assert person("outsider").get(path).status_code == 403
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_every_role_can_read(flagged: str, compliance: Client, path: str) -> None:
+    assert compliance.get(path).status_code == 200
+
+
+def test_the_queue_lists_flagged_invocations_full_page_or_fragment(
+    flagged: str, operator: Client
+) -> None:
+    page = operator.get("/").content.decode()
+    assert "<html" in page and "inv-1" in page and "reconciliation_required" in page
+    fragment = operator.get("/", {"risk": "medium"}, headers={"HX-Request": "true"})
+    body = fragment.content.decode()
+    assert "<html" not in body and body.lstrip().startswith('<table id="queue-rows"')
+    assert "inv-1" in body
+    filtered = operator.get("/", {"risk": "low"}, headers={"HX-Request": "true"}).content.decode()
+    assert "inv-1" not in filtered and "Nothing needs reconciliation" in filtered
+
+
+def test_compliance_sees_no_action_and_cannot_post(flagged: str, compliance: Client) -> None:
+    page = compliance.get("/invocations/inv-1/").content.decode()
+    assert "Resolve" not in page and "I'm on it" not in page
+    for action in ("resolve", "claim", "release", "probe", "approve", "reject"):
+        response = compliance.post(f"/invocations/inv-1/{action}", {"seen_event_count": 3})
+        assert response.status_code == 403, action
+    assert Invocation.objects.get().status == "reconciliation_required"
+
+
+def test_an_operator_resolves_with_a_note_and_the_invocation_leaves_the_queue(
+    flagged: str, operator: Client
+) -> None:
+    seen = Invocation.objects.get().event_count
+    response = operator.post(
+        "/invocations/inv-1/resolve",
+        {
+            "effect": "effect_absent",
+            "note": "not in the payments console",
+            "seen_event_count": seen,
+        },
+        headers={"HX-Request": "true"},
+    )
+    assert response.status_code == 200
+    assert '<section id="detail">' in response.content.decode()
+    invocation = Invocation.objects.get()
+    assert invocation.status == "retry_allowed"
+    event = invocation.events.get(kind="resolution")
+    assert (event.actor, event.data["note"]) == ("user:olga", "not in the payments console")
+    assert "inv-1" not in operator.get("/").content.decode()
+
+
+def test_a_resolution_without_note_or_reference_is_refused_in_place(
+    flagged: str, operator: Client
+) -> None:
+    seen = Invocation.objects.get().event_count
+    response = operator.post(
+        "/invocations/inv-1/resolve",
+        {"effect": "effect_present", "note": "", "seen_event_count": seen},
+    )
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert "This field is required." in page and "Name the business reference" in page
+    assert Invocation.objects.get().status == "reconciliation_required"
+
+
+def test_a_stale_page_is_refused_and_nothing_is_applied(flagged: str, operator: Client) -> None:
+    stale = Invocation.objects.get().event_count - 1
+    response = operator.post(
+        "/invocations/inv-1/resolve",
+        {"effect": "effect_absent", "note": "n", "seen_event_count": stale},
+    )
+    assert response.status_code == 303
+    assert Invocation.objects.get().status == "reconciliation_required"
+    page = operator.get("/invocations/inv-1/").content.decode()
+    assert "changed since this page was loaded" in page
+
+
+def test_a_double_submit_resolves_once(flagged: str, operator: Client) -> None:
+    seen = Invocation.objects.get().event_count
+    form = {"effect": "effect_absent", "note": "twice", "seen_event_count": seen}
+    operator.post("/invocations/inv-1/resolve", form)
+    operator.post("/invocations/inv-1/resolve", form)
+    assert Invocation.objects.get().events.filter(kind="resolution").count() == 1
+
+
+def test_claiming_keeps_two_operators_apart(flagged: str, operator: Client) -> None:
+    other = person("otto", "operator")
+    seen = Invocation.objects.get().event_count
+    operator.post("/invocations/inv-1/claim", {"seen_event_count": seen})
+    assert Invocation.objects.get().assignee == "olga"
+    other.post("/invocations/inv-1/claim", {"seen_event_count": seen + 1})
+    assert Invocation.objects.get().assignee == "olga"
+    mine = operator.get("/", {"mine": "mine"}).content.decode()
+    assert "inv-1" in mine
+    assert "inv-1" not in other.get("/", {"mine": "mine"}).content.decode()
+
+
+def test_high_risk_needs_a_second_different_approver(
+    api: Api, flagged: str, operator: Client
+) -> None:
+    Invocation.objects.update(risk_level="high")
+    seen = Invocation.objects.get().event_count
+    operator.post(
+        "/invocations/inv-1/resolve",
+        {"effect": "effect_present", "business_reference": "RF-1", "note": "seen it",
+         "seen_event_count": seen},
+    )  # fmt: skip
+    assert Invocation.objects.get().status == "resolution_proposed"
+    seen = Invocation.objects.get().event_count
+    assert (
+        operator.post("/invocations/inv-1/approve", {"seen_event_count": seen}).status_code == 403
+    )
+    self_approver = person("ada", "operator", "approver")
+    self_approver.post("/invocations/inv-1/reject", {"seen_event_count": seen, "note": "check"})
+    assert Invocation.objects.get().status == "escalated"
+
+
+def test_the_queue_and_the_invocation_page_keep_their_query_counts(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    items = [
+        {"type": "intent", "invocation_id": f"q-{n}", "task_id": "t", "capability": "refund.create",
+         "arguments": {}, "idempotency_key": f"q-{n}", "attempt_id": "a1"}
+        for n in range(200)
+    ]  # fmt: skip
+    api.post("/api/v1/evidence", items)
+    deadline = Invocation.objects.first().deadline_at  # type: ignore[union-attr]
+    for n in range(200):
+        flag_missing_evidence(invocation_id=f"q-{n}", now=deadline)
+    with CaptureQueriesContext(connection) as queue:
+        assert operator.get("/").status_code == 200
+    with CaptureQueriesContext(connection) as detail:
+        assert operator.get("/invocations/q-7/").status_code == 200
+    assert len(queue) <= 6, [q["sql"][:80] for q in queue]
+    assert len(detail) <= 8, [q["sql"][:80] for q in detail]
+
+
+def test_login_attempts_are_throttled(db: None, client: Client) -> None:
+    User.objects.create_user("eve", password="right")
+    for _ in range(5):
+        client.post("/accounts/login/", {"username": "eve", "password": "wrong"})
+    response = client.post("/accounts/login/", {"username": "eve", "password": "right"})
+    assert response.status_code == 429
+    assert "Too many failed attempts" in response.content.decode()
+
+
+def test_pages_carry_a_csp_with_a_nonce_and_no_cdn(flagged: str, operator: Client) -> None:
+    response = operator.get("/")
+    policy = response["Content-Security-Policy"]
+    assert "script-src 'self' 'nonce-" in policy
+    page = response.content.decode()
+    assert '/static/vendor/htmx-2.min.js" nonce="' in page
+    assert "https://" not in page
