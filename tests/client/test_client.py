@@ -248,3 +248,35 @@ def test_the_client_works_in_a_venv_with_only_httpx(
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "succeeded RF-v"
+
+
+def test_a_tool_that_cannot_tell_whether_it_sent_is_dispatch_not_established(
+    live_server: Any, token: str
+) -> None:
+    from ledger.client import DispatchNotEstablished
+
+    client = LedgerClient(live_server.url, token)
+    result = invoke(client, Tool(DispatchNotEstablished("socket closed while sending")))
+    # refund.create's key is not verified as enforced: this needs reconciliation.
+    assert (result.kind, result.status, result.retryable) == (
+        "dispatch_not_established",
+        "reconciliation_required",
+        False,
+    )
+
+
+def test_a_second_attempt_while_one_is_in_flight_is_refused_locally(
+    live_server: Any, token: str
+) -> None:
+    client = LedgerClient(live_server.url, token)
+    inner_tool = Tool()
+    seen: list[Any] = []
+
+    def tool_that_retries_itself(context: CallContext) -> dict[str, str]:
+        seen.append(client.retry(context.invocation_id, inner_tool))
+        return {"id": "RF-1"}
+
+    result = invoke(client, Tool(tool_that_retries_itself))
+    assert result.kind == "succeeded"
+    assert (seen[0].kind, seen[0].status) == ("attempt_in_flight", "in_flight")
+    assert inner_tool.calls == []
