@@ -4,7 +4,7 @@ export UV_PYTHON_DOWNLOADS := never
 UV_VERSION := 0.13.8
 UV := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 
-.PHONY: run test lint deps bench
+.PHONY: run test lint deps bench browser
 
 deps:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"
@@ -15,8 +15,13 @@ run: deps
 	$(UV) run --frozen python -m ledger.run
 
 ## Lint, type-check and run the whole test suite against PostgreSQL and Redis.
-test: deps lint
+test: deps lint browser
 	$(UV) run --frozen pytest
+
+# The console's journeys run in Debian's Chromium; install it if this machine has none.
+browser:
+	@[ -x /usr/bin/chromium ] || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 lint: deps
 	$(UV) run --frozen ruff check .

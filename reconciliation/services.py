@@ -37,6 +37,16 @@ def _not_stale(invocation: Invocation, seen_event_count: int | None) -> None:
         )
 
 
+def probe_requested(*, invocation_id: str, actor: str) -> None:
+    """An operator asked for the probe to run now: recorded, state unchanged."""
+    invocation_transition(
+        invocation_id=invocation_id,
+        actor=actor,
+        kind="probe_requested",
+        change=lambda invocation: {"status": invocation.status},
+    )
+
+
 def invocation_assign(
     *, invocation_id: str, actor: str, take: bool, seen_event_count: int | None = None
 ) -> Invocation | None:

@@ -133,12 +133,13 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     flagged = invocation.status in FLAGGED
     seen = {"seen_event_count": invocation.event_count}
     proposal = invocation.proposal or {}
+    events = timeline(invocation)
     return {
         "invocation": invocation,
         "state": invocation.state(),
-        "timeline": timeline(invocation),
+        "timeline": events,
         "attempts": invocation.attempts.select_related("outcome").order_by("number"),
-        "probe_runs": invocation.events.filter(kind="probe_run").order_by("seq"),
+        "probe_runs": [e["event"] for e in events if e["event"].kind == "probe_run"],
         "can_act": flagged and bool(user_roles & set(ACTORS)),
         "can_decide": invocation.status == policy.Status.RESOLUTION_PROPOSED
         and bool(user_roles & {"approver", "admin"})
@@ -261,6 +262,7 @@ def probe_now(request: HttpRequest, invocation_id: str) -> HttpResponse:
     ):
         messages.error(request, f"The invocation is {invocation.status}; no probe to run.")
         return _after_action(request, invocation_id, "")
+    services.probe_requested(invocation_id=invocation_id, actor=actor(request))
     reconcile_invocation.delay(invocation_id, force=True)
     return _after_action(request, invocation_id, "Probe queued; this page shows its result.")
 

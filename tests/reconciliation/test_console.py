@@ -16,7 +16,7 @@ from tests.conftest import Api
 def person(name: str, *groups: str) -> Client:
     user = User.objects.create_user(name, password="pw")
     for group in groups:
-        user.groups.add(Group.objects.get(name=group))
+        user.groups.add(Group.objects.get_or_create(name=group)[0])
     client = Client()
     client.force_login(user)
     return client
@@ -207,3 +207,24 @@ def test_pages_carry_a_csp_with_a_nonce_and_no_cdn(flagged: str, operator: Clien
     page = response.content.decode()
     assert '/static/vendor/htmx-2.min.js" nonce="' in page
     assert "https://" not in page
+
+
+def test_resolving_a_settled_invocation_is_refused_with_a_message(
+    flagged: str, operator: Client
+) -> None:
+    seen = Invocation.objects.get().event_count
+    form = {"effect": "effect_absent", "note": "first", "seen_event_count": seen}
+    operator.post("/invocations/inv-1/resolve", form)
+    settled = Invocation.objects.get()
+    form = {"effect": "effect_absent", "note": "again", "seen_event_count": settled.event_count}
+    response = operator.post("/invocations/inv-1/resolve", form, follow=True)
+    assert "nothing to resolve" in response.content.decode()
+    assert Invocation.objects.get().event_count == settled.event_count
+
+
+def test_rerunning_the_probe_is_recorded_as_the_operators_action(
+    flagged: str, operator: Client
+) -> None:
+    operator.post("/invocations/inv-1/probe")
+    event = Invocation.objects.get().events.get(kind="probe_requested")
+    assert event.actor == "user:olga"

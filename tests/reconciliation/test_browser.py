@@ -1,0 +1,129 @@
+"""Operator journeys in real headless Chromium (Debian's package, driven by
+Playwright), with JavaScript and without it."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Group, User
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from ledger.models import Capability, Invocation
+from ledger.services import flag_missing_evidence
+from tests.conftest import Api
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    # Playwright's sync API runs an event loop in this thread; the ORM calls made by
+    # the test itself around it are ordinary synchronous ones.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+def user(name: str, *groups: str) -> None:
+    created = User.objects.create_user(name, password="correct horse")
+    for group in groups:
+        created.groups.add(Group.objects.get_or_create(name=group)[0])
+
+
+@pytest.fixture
+def flagged(api: Api, refund: Capability) -> None:
+    for n, risk in ((1, "medium"), (2, "high")):
+        Capability.objects.filter(pk=refund.pk).update(risk_level=risk)
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        deadline = Invocation.objects.get(invocation_id=f"inv-{n}").deadline_at
+        assert deadline is not None
+        flag_missing_evidence(invocation_id=f"inv-{n}", now=deadline)
+
+
+def log_in(browser: Browser, base: str, name: str, javascript: bool) -> Page:
+    page = browser.new_context(java_script_enabled=javascript).new_page()
+    page.goto(f"{base}/accounts/login/")
+    page.fill("#id_username", name)
+    page.fill("#id_password", "correct horse")
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Reconciliation queue")
+    return page
+
+
+@pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
+def test_an_operator_filters_opens_resolves_and_the_item_leaves_the_queue(
+    browser: Browser, live_server: Any, flagged: None, javascript: bool
+) -> None:
+    user("olga", "operator")
+    page = log_in(browser, live_server.url, "olga", javascript)
+    expect(page.locator("#queue-rows")).to_contain_text("inv-1")
+    page.select_option("select[name=risk]", "medium")
+    if not javascript:
+        page.click("form.filters button[type=submit]")
+    expect(page).to_have_url(re.compile(r"risk=medium"))
+    expect(page.locator("#queue-rows")).not_to_contain_text("inv-2")
+    page.click("text=inv-1")
+    expect(page.locator(".timeline li").first).to_contain_text("chain verified")
+    page.check("input[value=effect_absent]")
+    page.fill("#id_note", "No refund in the payments console for this key.")
+    page.click("form.resolve button[type=submit]")
+    expect(page.locator("dd.status")).to_have_text("retry_allowed")
+    expect(page.locator("main")).to_contain_text("Resolved: retry_allowed.")
+    page.click("text=Queue")
+    expect(page.locator("#queue-rows")).not_to_contain_text("inv-1")
+    assert Invocation.objects.get(invocation_id="inv-1").status == "retry_allowed"
+
+
+@pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
+def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
+    browser: Browser, live_server: Any, flagged: None, javascript: bool
+) -> None:
+    user("olga", "operator")
+    user("abe", "approver")
+    page = log_in(browser, live_server.url, "olga", javascript)
+    page.goto(f"{live_server.url}/invocations/inv-2/")
+    page.check("input[value=effect_present]")
+    page.fill("#id_business_reference", "RF-4471")
+    page.fill("#id_note", "Refund RF-4471 is in the payments console.")
+    page.click("form.resolve button[type=submit]")
+    expect(page.locator("dd.status")).to_have_text("resolution_proposed")
+    expect(page.locator(".proposal")).not_to_contain_text("Approve")  # not for the proposer
+    approver = log_in(browser, live_server.url, "abe", javascript)
+    approver.goto(f"{live_server.url}/invocations/inv-2/")
+    approver.click(".proposal button[type=submit]")
+    expect(approver.locator("dd.status")).to_have_text("succeeded")
+    events = Invocation.objects.get(invocation_id="inv-2").events
+    approved = events.get(kind="resolution_approved").data
+    assert (approved["proposed_by"], approved["approved_by"]) == ("user:olga", "user:abe")
+
+
+def test_screenshots_of_the_console(
+    browser: Browser, live_server: Any, flagged: None, tmp_path: Path
+) -> None:
+    """The pictures in docs/ come from here (LEDGER_SCREENSHOTS=docs to refresh them)."""
+    user("olga", "operator")
+    folder = Path(os.environ.get("LEDGER_SCREENSHOTS", tmp_path))
+    page = log_in(browser, live_server.url, "olga", True)
+    page.set_viewport_size({"width": 1280, "height": 800})
+    shots = {
+        "queue.png": "/",
+        "invocation.png": "/invocations/inv-2/",
+        "dashboard.png": "/dashboard/",
+    }
+    for name, path in shots.items():
+        page.goto(f"{live_server.url}{path}")
+        page.screenshot(path=str(folder / name), full_page=True)
+        assert (folder / name).stat().st_size > 10_000
