@@ -16,5 +16,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/login/", views.ThrottledLoginView.as_view(), name="login"),
     path("accounts/logout/", LogoutView.as_view(), name="logout"),
+    path("audit/", views.audit, name="audit"),
+    path("audit/actions/", views.action_log, name="audit-actions"),
+    path("audit/export.<str:fmt>", views.audit_export, name="audit-export"),
     path("", include("reconciliation.urls")),
 ]

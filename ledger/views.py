@@ -6,9 +6,14 @@ from django.conf import settings
 from django.contrib.auth.views import LoginView
 from django.core.cache import cache
 from django.db import connection
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.shortcuts import render
 from django.views.decorators.http import require_GET
 from kombu import Connection
+
+from ledger.audit import AuditFilterForm, csv_lines, export_rows, jsonl_lines, search
+from ledger.models import CapabilityDeclaration, Event
+from ledger.permissions import READERS, fragment, role_required
 
 
 @require_GET
@@ -76,3 +81,58 @@ class ThrottledLoginView(LoginView):
         cache.add(key, 0, self.window_seconds)
         cache.incr(key)
         return super().form_invalid(form)
+
+
+PAGE = 50
+
+
+@require_GET
+@role_required(*READERS)
+def audit(request: HttpRequest) -> HttpResponse:
+    form = AuditFilterForm(request.GET or None)
+    data = form.cleaned_data if form.is_valid() else {}
+    rows = list(search(data)[: PAGE + 1])
+    more = len(rows) > PAGE
+    rows = rows[:PAGE]
+    next_query = None
+    if more:
+        query = request.GET.copy()
+        query["after"] = str(rows[-1].pk)
+        next_query = query.urlencode()
+    export = request.GET.copy()
+    export.pop("after", None)
+    context = {"form": form, "rows": rows, "next_query": next_query, "export": export.urlencode()}
+    return render(request, fragment(request, "ledger/audit.html", "results"), context)
+
+
+@require_GET
+@role_required(*READERS)
+def audit_export(request: HttpRequest, fmt: str) -> StreamingHttpResponse:
+    if fmt not in ("csv", "jsonl"):
+        raise Http404("exports are .csv or .jsonl")
+    form = AuditFilterForm(request.GET or None)
+    data = form.cleaned_data if form.is_valid() else {}
+    rows = export_rows(search({**data, "after": None}))
+    lines = csv_lines(rows) if fmt == "csv" else jsonl_lines(rows)
+    content_type = "text/csv" if fmt == "csv" else "application/x-ndjson"
+    response = StreamingHttpResponse(lines, content_type=content_type)
+    response["Content-Disposition"] = f'attachment; filename="ledger-audit.{fmt}"'
+    return response
+
+
+@require_GET
+@role_required(*READERS)
+def action_log(request: HttpRequest) -> HttpResponse:
+    """Every console action: events whose actor is a person, newest first."""
+    events = Event.objects.filter(actor__startswith="user:").select_related("invocation")
+    declarations = CapabilityDeclaration.objects.select_related("capability")
+    after = request.GET.get("after", "")
+    if after.isdigit():
+        events = events.filter(pk__lt=int(after))
+    rows = list(events.order_by("-pk")[: PAGE + 1])
+    context = {
+        "events": rows[:PAGE],
+        "next_after": rows[PAGE - 1].pk if len(rows) > PAGE else None,
+        "declarations": declarations.order_by("-created_at")[:PAGE],
+    }
+    return render(request, "ledger/actions.html", context)

@@ -8,12 +8,9 @@ JavaScript). Permissions are checked here, never only in templates.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
-from functools import wraps
 from typing import Any
 
 from django.contrib import messages
-from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Min, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -23,46 +20,17 @@ from django.views.decorators.http import require_GET, require_POST
 
 from ledger import chain, policy
 from ledger.models import Event, Invocation
+from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
 from ledger.services import LedgerError, event_body
 from reconciliation import services
 from reconciliation.forms import DecisionForm, QueueFilterForm, ResolveForm
 from reconciliation.tasks import reconcile_invocation
 
-ROLES = ("operator", "approver", "compliance", "admin")
 FLAGGED = sorted(s.value for s in policy.NEEDS_RECONCILIATION)
-
-
-def roles(user: Any) -> set[str]:
-    if user.is_superuser:
-        return set(ROLES)
-    return set(user.groups.values_list("name", flat=True)) & set(ROLES)
-
-
-def role_required(*allowed: str) -> Callable[..., Any]:
-    def decorator(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-        @wraps(view)
-        @login_required
-        def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            request.roles = roles(request.user)  # type: ignore[attr-defined]
-            if not request.roles & set(allowed):  # type: ignore[attr-defined]
-                raise PermissionDenied
-            return view(request, *args, **kwargs)
-
-        return wrapped
-
-    return decorator
-
-
-READERS = ("operator", "approver", "compliance", "admin")
-ACTORS = ("operator", "approver", "admin")
 
 
 def actor(request: HttpRequest) -> str:
     return f"user:{request.user.get_username()}"
-
-
-def fragment(request: HttpRequest, template: str, name: str) -> str:
-    return f"{template}#{name}" if request.htmx and not request.htmx.boosted else template  # type: ignore[attr-defined]
 
 
 # The queue --------------------------------------------------------------------

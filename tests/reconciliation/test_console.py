@@ -228,3 +228,20 @@ def test_rerunning_the_probe_is_recorded_as_the_operators_action(
     operator.post("/invocations/inv-1/probe")
     event = Invocation.objects.get().events.get(kind="probe_requested")
     assert event.actor == "user:olga"
+
+
+ACTIONS = ["resolve", "claim", "release", "probe", "approve", "reject"]
+
+
+@pytest.mark.parametrize("action", ACTIONS)
+def test_anonymous_and_outsider_posts_change_nothing(
+    flagged: str, client: Client, action: str
+) -> None:
+    before = Invocation.objects.get().event_count
+    anonymous = client.post(f"/invocations/inv-1/{action}", {"seen_event_count": before})
+    assert anonymous.status_code == 302 and "/accounts/login/" in anonymous["Location"]
+    outsider = person(f"x-{action}").post(
+        f"/invocations/inv-1/{action}", {"seen_event_count": before}
+    )
+    assert outsider.status_code == 403
+    assert Invocation.objects.get().event_count == before
