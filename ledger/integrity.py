@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-from collections.abc import Iterable, Iterator
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from django.db import connection, transaction
 from django.db.models import Q
@@ -14,25 +16,12 @@ from django.utils import timezone
 from ledger import chain
 from ledger.models import Event, Invocation, Seal, SealedEvent
 from ledger.services import event_body
+from ledger.verify_bundle import merkle_root
 
 # Events are written by single statements that take milliseconds; an event committed
 # later than this after it was stamped would be left for a later seal to pick up.
 SEAL_LOOKBACK = dt.timedelta(minutes=10)
 SEAL_BATCH = 50_000
-
-
-def merkle_root(leaves: Iterable[str]) -> str:
-    """Binary Merkle tree over hex leaf hashes (the last node repeated on odd levels)."""
-    level = [bytes.fromhex(leaf) for leaf in leaves]
-    if not level:
-        return hashlib.sha256(b"").hexdigest()
-    while len(level) > 1:
-        if len(level) % 2:
-            level.append(level[-1])
-        level = [
-            hashlib.sha256(a + b).digest() for a, b in zip(level[::2], level[1::2], strict=True)
-        ]
-    return level[0].hex()
 
 
 def seal_body(seal: Seal) -> dict[str, object]:
@@ -203,3 +192,70 @@ def verify(
             report.breaks.append(Break("seal", where, f"hash {computed}", f"hash {seal.hash}"))
         prev_hash = seal.hash
     return report
+
+
+def export_bundle(
+    folder: Path,
+    *,
+    invocation_id: str | None = None,
+    since: dt.datetime | None = None,
+    until: dt.datetime | None = None,
+) -> dict[str, int]:
+    """Write an evidence bundle that `python -m ledger.verify_bundle` checks
+    offline: events (whole chains), their covering seals, a manifest of hashes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    invocations = Invocation.objects.all()
+    if invocation_id:
+        invocations = invocations.filter(invocation_id=invocation_id)
+    window = Q()
+    if since:
+        window &= Q(created_at__gte=since)
+    if until:
+        window &= Q(created_at__lt=until)
+    touched = Event.objects.filter(window, invocation__in=invocations).values("invocation_id")
+    events = (
+        Event.objects.filter(invocation__in=touched)
+        .select_related("invocation", "sealed__seal")
+        .order_by("invocation_id", "seq")
+    )
+    seal_ids: set[int] = set()
+    count = 0
+    with open(folder / "events.jsonl", "w") as out:
+        for event in events.iterator(chunk_size=2000):
+            body = chain.canonical(event_body(event, event.invocation.invocation_id)).decode()
+            sealed = getattr(event, "sealed", None)
+            if sealed is not None:
+                seal_ids.add(sealed.seal_id)
+            record = {
+                "body": body,
+                "hash": event.hash,
+                "sequence": sealed.sequence if sealed else None,
+                "seal": sealed.seal.hash if sealed else None,
+            }
+            out.write(json.dumps(record) + "\n")
+            count += 1
+    seals = Seal.objects.filter(pk__in=seal_ids).order_by("first_sequence")
+    with open(folder / "seals.jsonl", "w") as out:
+        for seal in seals:
+            leaves = SealedEvent.objects.filter(seal=seal).order_by("sequence")
+            record = {
+                "body": chain.canonical(seal_body(seal)).decode(),
+                "hash": seal.hash,
+                "leaves": list(leaves.values_list("event__hash", flat=True)),
+            }
+            out.write(json.dumps(record) + "\n")
+    files = {
+        name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        for name in ("events.jsonl", "seals.jsonl")
+    }
+    manifest = {
+        "created_at": timezone.now().isoformat(),
+        "scope": {
+            "invocation_id": invocation_id,
+            "since": since.isoformat() if since else None,
+            "until": until.isoformat() if until else None,
+        },
+        "files": files,
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return {"events": count, "seals": len(seals)}

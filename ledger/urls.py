@@ -18,6 +18,7 @@ urlpatterns = [
     path("accounts/logout/", LogoutView.as_view(), name="logout"),
     path("audit/", views.audit, name="audit"),
     path("audit/actions/", views.action_log, name="audit-actions"),
+    path("audit/verify/", views.audit_verify, name="audit-verify"),
     path("audit/export.<str:fmt>", views.audit_export, name="audit-export"),
     path("", include("reconciliation.urls")),
 ]

@@ -12,6 +12,7 @@ from django.views.decorators.http import require_GET
 from kombu import Connection
 
 from ledger.audit import AuditFilterForm, csv_lines, export_rows, jsonl_lines, search
+from ledger.integrity import verify
 from ledger.models import CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
 
@@ -136,3 +137,15 @@ def action_log(request: HttpRequest) -> HttpResponse:
         "declarations": declarations.order_by("-created_at")[:PAGE],
     }
     return render(request, "ledger/actions.html", context)
+
+
+@require_GET
+@role_required(*READERS)
+def audit_verify(request: HttpRequest) -> HttpResponse:
+    """Recompute chains, seals and projections for a time range, in the browser."""
+    form = AuditFilterForm(request.GET or None)
+    data = form.cleaned_data if form.is_valid() else {}
+    report = None
+    if "run" in request.GET:
+        report = verify(since=data.get("since"), until=data.get("until"), projections=True)
+    return render(request, "ledger/verify.html", {"form": form, "report": report})

@@ -146,3 +146,20 @@ def test_the_application_role_cannot_rewrite_evidence(ledger: Api) -> None:
                 cursor.execute("ROLLBACK TO SAVEPOINT attempt")
         finally:
             cursor.execute("RESET ROLE")
+
+
+def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
+    from django.contrib.auth.models import Group, User
+    from django.test import Client
+
+    reviewer = User.objects.create_user("cora", password="pw")
+    reviewer.groups.add(Group.objects.get_or_create(name="compliance")[0])
+    client = Client()
+    client.force_login(reviewer)
+    clean = client.get("/audit/verify/", {"run": "1"}).content.decode()
+    assert "OK: 4 invocations, 10 events, 1 seals and 4 projections verified." in clean
+    superuser_sql(
+        "UPDATE ledger_event SET actor = 'runtime:forged' WHERE id = %s", event_id("inv-2", 2)
+    )
+    broken = client.get("/audit/verify/", {"run": "1"}).content.decode()
+    assert "chain broken at invocation inv-2 event #2" in broken

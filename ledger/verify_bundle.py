@@ -1,0 +1,119 @@
+"""Verify an evidence bundle offline — Python's standard library only.
+
+    python -m ledger.verify_bundle BUNDLE_DIR
+
+A bundle (`manage.py export_bundle`) holds:
+
+- manifest.json   the SHA-256 of every other file;
+- events.jsonl    per event: its hashed body (RFC 8785 canonical JSON, as a string),
+                  its hash, and its place in the global order (sequence, seal);
+- seals.jsonl     per covering seal: its hashed body, its hash, and the hashes of
+                  every event it sealed, in order (no other event data).
+
+It checks the manifest, every event hash and chain link (per invocation, from its
+first event), every seal's hash, chain and Merkle root, and that each event sits in
+its seal where the bundle says. Prints OK or each failure; exit status 1 on failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+GENESIS = "0" * 64
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def merkle_root(leaves: Iterable[str]) -> str:
+    level = [bytes.fromhex(leaf) for leaf in leaves]
+    if not level:
+        return sha256(b"")
+    while len(level) > 1:
+        if len(level) % 2:
+            level.append(level[-1])
+        level = [
+            hashlib.sha256(a + b).digest() for a, b in zip(level[::2], level[1::2], strict=True)
+        ]
+    return level[0].hex()
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def verify(folder: Path) -> list[str]:
+    problems: list[str] = []
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name, expected in manifest["files"].items():
+        found = sha256((folder / name).read_bytes())
+        if found != expected:
+            problems.append(f"{name}: sha256 {found}, manifest says {expected}")
+    if problems:
+        return problems  # nothing else in an altered file can be trusted
+
+    heads: dict[str, tuple[int, str]] = {}
+    placed: dict[str, tuple[int, str]] = {}
+    for record in _lines(folder / "events.jsonl"):
+        body = json.loads(record["body"])
+        where = f"invocation {body['invocation_id']} event #{body['seq']}"
+        seq, prev = heads.get(body["invocation_id"], (0, GENESIS))
+        if body["seq"] != seq + 1:
+            problems.append(f"{where}: expected event #{seq + 1}")
+        elif body["prev_hash"] != prev:
+            problems.append(f"{where}: prev_hash {body['prev_hash']}, chain has {prev}")
+        computed = sha256(body["prev_hash"].encode() + record["body"].encode())
+        if computed != record["hash"]:
+            problems.append(f"{where}: hash {record['hash']}, body hashes to {computed}")
+        heads[body["invocation_id"]] = (body["seq"], record["hash"])
+        if record.get("sequence") is not None:
+            placed[record["hash"]] = (record["sequence"], record["seal"])
+
+    prev_seal = None
+    for seal in _lines(folder / "seals.jsonl"):
+        body = json.loads(seal["body"])
+        where = f"seal {seal['hash'][:12]} ({body['first_sequence']}-{body['last_sequence']})"
+        if sha256(body["prev_hash"].encode() + seal["body"].encode()) != seal["hash"]:
+            problems.append(f"{where}: its hash does not match its body")
+        if prev_seal is not None and body["prev_hash"] != prev_seal:
+            problems.append(f"{where}: does not chain to the seal before it")
+        if (
+            merkle_root(seal["leaves"]) != body["merkle_root"]
+            or len(seal["leaves"]) != body["event_count"]
+        ):
+            problems.append(f"{where}: the Merkle root does not cover its events")
+        for offset, leaf in enumerate(seal["leaves"]):
+            if leaf in placed and placed[leaf] != (body["first_sequence"] + offset, seal["hash"]):
+                problems.append(f"{where}: event {leaf[:12]} is not where the bundle puts it")
+        prev_seal = seal["hash"]
+    sealed = {leaf for seal in _lines(folder / "seals.jsonl") for leaf in seal["leaves"]}
+    for leaf, (sequence, _) in placed.items():
+        if leaf not in sealed:
+            problems.append(f"event {leaf[:12]} (sequence {sequence}) is in no bundled seal")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 1:
+        print("usage: python -m ledger.verify_bundle BUNDLE_DIR", file=sys.stderr)
+        return 2
+    problems = verify(Path(args[0]))
+    for problem in problems:
+        print(f"FAIL {problem}")
+    if problems:
+        return 1
+    events = len(_lines(Path(args[0]) / "events.jsonl"))
+    seals = len(_lines(Path(args[0]) / "seals.jsonl"))
+    print(f"OK: {events} events and {seals} seals verified")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
