@@ -455,3 +455,20 @@ class SealedEvent(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.sequence}: {self.event_id}"  # type: ignore[attr-defined]
+
+
+class AdminAction(models.Model):
+    """What administrators did outside any invocation: tokens issued and revoked.
+    Append-only, like the evidence (see migration 0011)."""
+
+    actor = models.CharField(max_length=160)
+    action = models.CharField(max_length=48)
+    target = models.CharField(max_length=200)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        indexes = [models.Index(fields=["-created_at"], name="admin_action_recent")]
+
+    def __str__(self) -> str:
+        return f"{self.actor} {self.action} {self.target}"

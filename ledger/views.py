@@ -13,7 +13,7 @@ from kombu import Connection
 
 from ledger.audit import AuditFilterForm, csv_lines, export_rows, jsonl_lines, search
 from ledger.integrity import verify
-from ledger.models import CapabilityDeclaration, Event
+from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
 
 
@@ -135,6 +135,7 @@ def action_log(request: HttpRequest) -> HttpResponse:
         "events": rows[:PAGE],
         "next_after": rows[PAGE - 1].pk if len(rows) > PAGE else None,
         "declarations": declarations.order_by("-created_at")[:PAGE],
+        "admin_actions": AdminAction.objects.order_by("-created_at")[:PAGE],
     }
     return render(request, "ledger/actions.html", context)
 

@@ -136,3 +136,16 @@ def test_compliance_reads_and_changes_nothing(history: None, reviewer: Client, p
 def test_a_runtime_token_opens_no_console_page(history: None, api: Api, path: str) -> None:
     response = Client().get(path, headers=api.headers())
     assert response.status_code == 302 and "/accounts/login/" in response["Location"]
+
+
+def test_token_issue_and_revocation_are_in_the_action_log(db: None, reviewer: Client) -> None:
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("create_runtime", "billing", label="ci", stdout=out, stderr=io.StringIO())
+    token = out.getvalue().strip().splitlines()[-1]
+    call_command("revoke_token", token, reason="leaked in a log", stdout=io.StringIO())
+    page = reviewer.get("/audit/actions/").content.decode()
+    table = page.split('id="admin-actions"')[1]
+    assert "token_issued" in table and "token_revoked" in table
+    assert "leaked in a log" in table and "runtime billing" in table

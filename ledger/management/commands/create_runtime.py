@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import getpass
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from ledger.models import Runtime, RuntimeToken
+from ledger.models import AdminAction, Runtime, RuntimeToken
 
 
 class Command(BaseCommand):
@@ -32,6 +33,12 @@ class Command(BaseCommand):
         elif not add_token:
             raise CommandError(f"runtime {name!r} exists; pass --add-token for another token")
         row, token = RuntimeToken.issue(runtime=runtime, label=label)
+        AdminAction.objects.create(
+            actor=f"cli:{getpass.getuser()}",
+            action="token_issued",
+            target=f"runtime {runtime.name}, token {row.prefix}",
+            reason=label,
+        )
         self.stderr.write(
             f"Token {row.PREFIX}_{row.prefix}_… issued; store it now, it is not shown again:"
         )
