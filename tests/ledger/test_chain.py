@@ -20,13 +20,19 @@ json_leaves = (
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text()
 )
-json_values = st.recursive(
-    json_leaves,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4)
-    ),
-    max_leaves=25,
-)
+
+
+def json_trees(leaves: st.SearchStrategy[object]) -> st.SearchStrategy[object]:
+    return st.recursive(
+        leaves,
+        lambda children: (
+            st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4)
+        ),
+        max_leaves=25,
+    )
+
+
+json_values = json_trees(json_leaves)
 
 
 @given(json_values)
@@ -43,13 +49,7 @@ def test_it_writes_exactly_what_rfc8785_writes(value: object) -> None:
 safe_leaves = json_leaves.filter(
     lambda v: not isinstance(v, float) or abs(v) < chain.MAX_SAFE_INTEGER
 )
-safe_values = st.recursive(
-    safe_leaves,
-    lambda children: (
-        st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4)
-    ),
-    max_leaves=25,
-)
+safe_values = json_trees(safe_leaves)
 
 
 @given(safe_values)
