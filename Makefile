@@ -31,3 +31,4 @@ lint: deps
 ## The benchmark (not part of the test suite): see README.
 bench: deps
 	$(UV) run --frozen python manage.py bench
+	$(UV) run --frozen python manage.py bench_audit

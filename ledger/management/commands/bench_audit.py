@@ -1,0 +1,208 @@
+"""The audit benchmark: 1,000,000 invocations written with COPY, then searched,
+exported and verified.
+
+    uv run python manage.py bench_audit            (part of `make bench`)
+
+It builds a scratch database `<name>_bench_audit`, COPYs one million invocations
+(two runtimes, twenty capabilities, a year of timestamps) each with its first event,
+hash-chained, and reports: audit search p50/p95 for typical filters (first page of the
+keyset), export rows per second and the exporting process's peak RSS for 200,000
+events, and `verify_ledger` events per second. Last line: JSON. Not a test.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psycopg
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandParser
+from psycopg import sql
+
+from ledger import chain
+
+COLUMNS = (
+    "invocation_id", "runtime_id", "task_id", "capability_scope", "subject",
+    "idempotency_key", "arguments_digest", "traceparent", "created_at", "hint_readonly",
+    "hint_idempotency_verified", "max_attempts", "timeout_ms", "grace_ms", "risk_level",
+    "status", "failure_class", "cause", "resolution", "flags", "attempt_count",
+    "in_flight_attempt", "event_count", "head_hash", "updated_at",
+)  # fmt: skip
+STATUSES = ("succeeded", "succeeded", "succeeded", "failed", "retry_allowed", "escalated")
+
+
+class Command(BaseCommand):
+    help = "Benchmark audit search, export and verification over 1,000,000 invocations."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--invocations", type=int, default=1_000_000)
+
+    def handle(self, *args: Any, invocations: int, **options: Any) -> None:
+        database = settings.DATABASES["default"]
+        name = f"{database['NAME']}_bench_audit"
+        admin = psycopg.conninfo.make_conninfo(
+            host=str(database["HOST"]) or None, port=str(database["PORT"]) or None,
+            user=str(database["USER"]) or None, dbname="postgres",
+        )  # fmt: skip
+        conninfo = psycopg.conninfo.make_conninfo(admin, dbname=name)
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        user, host = database["USER"] or "postgres", database["HOST"] or ""
+        url = f"postgresql://{user}@{host}:{database['PORT'] or 5432}/{name}"
+        env = {**os.environ, "DATABASE_URL": url}
+        migrate = [sys.executable, "manage.py", "migrate", "-v", "0"]
+        subprocess.run(migrate, env=env, check=True)
+        started = time.perf_counter()
+        self.generate(conninfo, invocations)
+        generated = time.perf_counter() - started
+        from django.db import connection, connections
+
+        connections.close_all()
+        connection.settings_dict["NAME"] = name
+        results: dict[str, Any] = {
+            "invocations": invocations,
+            "generate_seconds": round(generated, 1),
+            "search": self.search(),
+            "export": self.export(env),
+            "verify": self.verify(),
+        }
+        self.report(results)
+
+    def generate(self, conninfo: str, count: int) -> None:
+        start = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+        with psycopg.connect(conninfo) as conn:
+            runtimes = [
+                conn.execute(
+                    "INSERT INTO ledger_runtime (name, created_at) VALUES (%s, now()) RETURNING id",
+                    [f"runtime-{n}"],
+                ).fetchone()[0]  # type: ignore[index]
+                for n in range(2)
+            ]
+            columns = ", ".join(COLUMNS)
+            with (
+                conn.cursor() as cursor,
+                cursor.copy(f"COPY ledger_invocation ({columns}) FROM STDIN") as copy,
+            ):
+                for n in range(count):
+                    created = start + dt.timedelta(seconds=n * 31_536_000 // count)
+                    head = self.event_hash(n, created)
+                    flags = "{undeclared}" if n % 50 == 0 else "{}"
+                    copy.write_row((
+                        f"inv-{n}", runtimes[n % 2], f"task-{n % 50_000}", f"cap.{n % 20}",
+                        f"customer:{n % 10_000}", f"key-{n}", "sha256:" + "0" * 64, "",
+                        created, False, False, 5, 30000, 60000, "medium",
+                        STATUSES[n % len(STATUSES)], "", "", "", flags, 1, "", 1, head, created,
+                    ))  # fmt: skip
+            conn.execute(
+                "INSERT INTO ledger_event (invocation_id, seq, kind, actor, data, created_at, "
+                "prev_hash, hash) SELECT i.id, 1, 'intent_recorded', 'runtime:bench', "
+                "jsonb_build_object('n', substr(i.invocation_id, 5)::int), i.created_at, "
+                "repeat('0', 64), i.head_hash FROM ledger_invocation i"
+            )
+            conn.commit()
+            conn.autocommit = True
+            conn.execute("VACUUM ANALYZE ledger_invocation")
+            conn.execute("VACUUM ANALYZE ledger_event")
+
+    @staticmethod
+    def event_hash(n: int, created: dt.datetime) -> str:
+        body = {
+            "invocation_id": f"inv-{n}", "seq": 1, "kind": "intent_recorded",
+            "actor": "runtime:bench", "data": {"n": n},
+            "created_at": created.isoformat(), "prev_hash": chain.GENESIS_HASH,
+        }  # fmt: skip
+        return chain.event_hash(chain.GENESIS_HASH, body)
+
+    def search(self) -> dict[str, Any]:
+        from ledger.audit import search
+
+        month = {"since": dt.datetime(2026, 3, 1, tzinfo=dt.UTC),
+                 "until": dt.datetime(2026, 4, 1, tzinfo=dt.UTC)}  # fmt: skip
+        filters: dict[str, dict[str, Any]] = {
+            "no filter": {},
+            "runtime": {"runtime": "runtime-1"},
+            "status": {"status": "escalated"},
+            "capability": {"capability": "cap.7"},
+            "subject": {"subject": "customer:4242"},
+            "task": {"task_id": "task-777"},
+            "month": month,
+            "flag": {"flag": "undeclared"},
+            "capability + month": {"capability": "cap.3", **month},
+        }
+        timings: dict[str, Any] = {}
+        for label, data in filters.items():
+            samples = []
+            for _ in range(20):
+                started = time.perf_counter()
+                list(search(data)[:51])
+                samples.append(time.perf_counter() - started)
+            samples.sort()
+            timings[label] = {
+                "p50_ms": round(statistics.median(samples) * 1000, 2),
+                "p95_ms": round(samples[int(len(samples) * 0.95) - 1] * 1000, 2),
+            }
+        return timings
+
+    def export(self, env: dict[str, str]) -> dict[str, Any]:
+        # A window with 200,000 events, exported by a separate process so that its peak
+        # RSS is its own.
+        since, until = "2026-01-01T00:00:00+00:00", "2026-03-15T00:00:00+00:00"
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        started = time.perf_counter()
+        result = subprocess.run(
+            [sys.executable, "manage.py", "export_audit", "--since", since, "--until", until],
+            env=env, check=True, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        rows = result.stdout.count(b"\n") - 1
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        return {
+            "rows": rows,
+            "seconds": round(seconds, 2),
+            "rows_per_second": round(rows / seconds, 1),
+            "peak_rss_mb": round(max(peak, before) / 1024, 1),
+        }
+
+    def verify(self) -> dict[str, Any]:
+        from ledger.integrity import verify
+
+        since = dt.datetime(2026, 6, 1, tzinfo=dt.UTC)
+        until = dt.datetime(2026, 6, 15, tzinfo=dt.UTC)
+        started = time.perf_counter()
+        report = verify(since=since, until=until)
+        seconds = time.perf_counter() - started
+        return {
+            "events": report.events,
+            "ok": report.ok,
+            "seconds": round(seconds, 2),
+            "events_per_second": round(report.events / seconds, 1),
+        }
+
+    def report(self, results: dict[str, Any]) -> None:
+        out = self.stdout.write
+        out(f"{results['invocations']} invocations COPYed in {results['generate_seconds']} s")
+        out(f"{'audit search (first page)':<32}{'p50 ms':>10}{'p95 ms':>10}")
+        for label, timing in results["search"].items():
+            out(f"{label:<32}{timing['p50_ms']:>10}{timing['p95_ms']:>10}")
+        export = results["export"]
+        out(
+            f"export: {export['rows']} rows in {export['seconds']} s "
+            f"({export['rows_per_second']}/s), exporter peak RSS {export['peak_rss_mb']} MB"
+        )
+        check = results["verify"]
+        out(
+            f"verify_ledger: {check['events']} events in {check['seconds']} s "
+            f"({check['events_per_second']}/s), ok={check['ok']}"
+        )
+        out(json.dumps(results, sort_keys=True))
