@@ -149,3 +149,13 @@ def test_token_issue_and_revocation_are_in_the_action_log(db: None, reviewer: Cl
     table = page.split('id="admin-actions"')[1]
     assert "token_issued" in table and "token_revoked" in table
     assert "leaked in a log" in table and "runtime billing" in table
+
+
+def test_the_export_command_streams_the_same_rows(history: None) -> None:
+    from django.core.management import call_command
+
+    out = io.StringIO()
+    call_command("export_audit", capability="payroll.change", stdout=out)
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    events = Event.objects.filter(invocation__capability_scope="payroll.change")
+    assert sorted(r["hash"] for r in rows) == sorted(events.values_list("hash", flat=True))

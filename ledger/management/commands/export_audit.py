@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
@@ -27,6 +26,5 @@ class Command(BaseCommand):
             raise CommandError(f"invalid filters: {form.errors.as_text()}")
         rows = export_rows(search({**form.cleaned_data, "after": None}))
         lines = csv_lines(rows) if format == "csv" else jsonl_lines(rows)
-        out = sys.stdout
         for line in lines:
-            out.write(line)
+            self.stdout.write(line, ending="")
