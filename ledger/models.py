@@ -295,6 +295,9 @@ class Invocation(models.Model):
             models.Index(fields=["runtime", "task_id", "id"], name="invocation_runtime_task"),
             # GET /api/v1/invocations?status=… and the plain listing
             models.Index(fields=["runtime", "status", "id"], name="invocation_runtime_status"),
+            # Audit search by subject and by time range, newest first (keyset on id).
+            models.Index(fields=["subject", "id"], name="invocation_subject"),
+            models.Index(fields=["created_at", "id"], name="invocation_created"),
             # The sweeper: in-flight attempts past their deadline. Partial, so its cost
             # follows the number of in-flight invocations, not the table.
             models.Index(
