@@ -31,6 +31,9 @@ class Refunds:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lock = threading.Lock()
+        # Lookups this process has started answering: lets a fault drill wait until a
+        # probe is really inside the business system.
+        self.lookups_started = 0
         with self._db() as db:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS refund (id TEXT PRIMARY KEY, "
@@ -112,6 +115,8 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
             if url.path != "/refunds":
                 self.reply(404, {"error": "not_found"})
                 return
+            with refunds.lock:
+                refunds.lookups_started += 1
             mode = refunds.mode()
             if mode == "slow":
                 time.sleep(slow_seconds)

@@ -77,8 +77,9 @@ def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
     standin.refunds.set_mode("slow")  # the probe will hang
     doomed = workers.start(LEDGER_PROBE_LEASE_SECONDS="2")
     reconcile_invocation.delay("inv-1")
-    wait_for(lambda: status_of("inv-1") == "reconciling")
-    time.sleep(0.5)  # let it get into the probe
+    lookups = standin.refunds.lookups_started
+    wait_for(lambda: standin.refunds.lookups_started > lookups)  # the probe is in flight
+    assert status_of("inv-1") == "reconciling"
     workers.kill(doomed)
     standin.refunds.set_mode("normal")
     workers.start(LEDGER_PROBE_LEASE_SECONDS="2")
