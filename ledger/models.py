@@ -295,9 +295,11 @@ class Invocation(models.Model):
             models.Index(fields=["runtime", "task_id", "id"], name="invocation_runtime_task"),
             # GET /api/v1/invocations?status=… and the plain listing
             models.Index(fields=["runtime", "status", "id"], name="invocation_runtime_status"),
-            # Audit search by subject and by time range, newest first (keyset on id).
-            models.Index(fields=["subject", "id"], name="invocation_subject"),
+            # Audit search, in time order with keyset on (created_at, id): by time range
+            # alone, and by the two filters too selective to find by walking time.
             models.Index(fields=["created_at", "id"], name="invocation_created"),
+            models.Index(fields=["subject", "created_at", "id"], name="invocation_subject_time"),
+            models.Index(fields=["task_id", "created_at", "id"], name="invocation_task_time"),
             # The sweeper: in-flight attempts past their deadline. Partial, so its cost
             # follows the number of in-flight invocations, not the table.
             models.Index(
@@ -420,6 +422,13 @@ class Event(models.Model):
         indexes = [
             # The sealer's look for unsealed events, and audit searches by time.
             models.Index(fields=["created_at"], name="event_created_at"),
+            # What people did (the action log, audit search by operator): a small
+            # partial index, so runtime events, nearly all of them, skip it.
+            models.Index(
+                fields=["actor", "invocation"],
+                condition=Q(actor__startswith="user:"),
+                name="event_by_person",
+            ),
         ]
 
     def __str__(self) -> str:

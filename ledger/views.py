@@ -6,12 +6,26 @@ from django.conf import settings
 from django.contrib.auth.views import LoginView
 from django.core.cache import cache
 from django.db import connection
-from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBadRequest,
+    JsonResponse,
+    StreamingHttpResponse,
+)
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 from kombu import Connection
 
-from ledger.audit import AuditFilterForm, csv_lines, export_rows, jsonl_lines, search
+from ledger.audit import (
+    AuditFilterForm,
+    csv_lines,
+    export_rows,
+    jsonl_lines,
+    page_cursor,
+    search,
+)
 from ledger.integrity import verify
 from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
@@ -91,14 +105,15 @@ PAGE = 50
 @role_required(*READERS)
 def audit(request: HttpRequest) -> HttpResponse:
     form = AuditFilterForm(request.GET or None)
-    data = form.cleaned_data if form.is_valid() else {}
-    rows = list(search(data)[: PAGE + 1])
+    # A filter that does not parse shows its error and no rows, never every row.
+    invalid = form.is_bound and not form.is_valid()
+    rows = [] if invalid else list(search(form.cleaned_data if form.is_bound else {})[: PAGE + 1])
     more = len(rows) > PAGE
     rows = rows[:PAGE]
     next_query = None
     if more:
         query = request.GET.copy()
-        query["after"] = str(rows[-1].pk)
+        query["after"] = page_cursor(rows[-1])
         next_query = query.urlencode()
     export = request.GET.copy()
     export.pop("after", None)
@@ -108,12 +123,15 @@ def audit(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 @role_required(*READERS)
-def audit_export(request: HttpRequest, fmt: str) -> StreamingHttpResponse:
+def audit_export(request: HttpRequest, fmt: str) -> HttpResponse | StreamingHttpResponse:
     if fmt not in ("csv", "jsonl"):
         raise Http404("exports are .csv or .jsonl")
-    form = AuditFilterForm(request.GET or None)
-    data = form.cleaned_data if form.is_valid() else {}
-    rows = export_rows(search({**data, "after": None}))
+    form = AuditFilterForm(request.GET)
+    if not form.is_valid():
+        # Exporting everything in place of a filter that did not parse would hand
+        # the reviewer the wrong evidence.
+        return HttpResponseBadRequest(form.errors.as_text(), content_type="text/plain")
+    rows = export_rows(search({**form.cleaned_data, "after": None}))
     lines = csv_lines(rows) if fmt == "csv" else jsonl_lines(rows)
     content_type = "text/csv" if fmt == "csv" else "application/x-ndjson"
     response = StreamingHttpResponse(lines, content_type=content_type)

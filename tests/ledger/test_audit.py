@@ -102,6 +102,26 @@ def test_pages_follow_a_keyset_without_overlap(history: None, reviewer: Client) 
     assert oldest == search_ids(reviewer)
 
 
+def test_pages_break_ties_in_time_by_id(history: None, reviewer: Client) -> None:
+    # Invocations recorded in the same microsecond must neither repeat nor vanish
+    # across a page boundary: the cursor is (created_at, id).
+    Invocation.objects.filter(invocation_id__in=[f"inv-{n}" for n in range(30)]).update(
+        created_at=Invocation.objects.get(invocation_id="inv-30").created_at
+    )
+    for order in ("newest", "oldest"):
+        assert len(search_ids(reviewer, order=order)) == 60
+
+
+def test_a_forged_cursor_is_refused_by_name(history: None, reviewer: Client) -> None:
+    page = reviewer.get("/audit/", {"after": "1;DROP"}).content.decode()
+    assert "not a page cursor from this search" in page
+
+
+def test_an_export_with_a_bad_filter_is_refused(history: None, reviewer: Client) -> None:
+    response = reviewer.get("/audit/export.csv", {"since": "last march"})
+    assert response.status_code == 400 and b"since" in response.content
+
+
 def test_the_csv_export_round_trips_with_every_event_hash(history: None, reviewer: Client) -> None:
     response = reviewer.get("/audit/export.csv", {"capability": "refund.create"})
     assert response.streaming

@@ -139,6 +139,7 @@ class Command(BaseCommand):
             "month": month,
             "flag": {"flag": "undeclared"},
             "capability + month": {"capability": "cap.3", **month},
+            "operator": {"operator": "olga"},
         }
         timings: dict[str, Any] = {}
         for label, data in filters.items():
