@@ -42,6 +42,14 @@ def to_jsonable(value: Any, path: str = "$", max_depth: int = 64) -> Any:
     return _Prepared(value, path, max_depth).value
 
 
+class _Unrepresentable(Exception):
+    """Raised deep in a value; each level on the way out prepends its step to `path`."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.steps: list[str] = []
+
+
 class _Prepared:
     """`value` made JSON-ready, and whether json.dumps would already write it as RFC 8785.
 
@@ -50,42 +58,64 @@ class _Prepared:
     the same way while they are ASCII. Floats (ECMAScript number formatting) and
     non-ASCII keys (UTF-16 ordering) go to the rfc8785 package instead. The property
     test in tests/ledger/test_chain.py checks the two agree.
+
+    Every event hash walks its body here, so the walk builds no path strings: the
+    path of an offending value is assembled only when one is found.
     """
 
     def __init__(self, value: Any, path: str, max_depth: int) -> None:
         self.plain = True
-        self.value = self.convert(value, path, max_depth)
+        try:
+            self.value = self.convert(value, max_depth)
+        except _Unrepresentable as exc:
+            raise CanonicalizationError(path + "".join(reversed(exc.steps)), exc.message) from None
 
-    def convert(self, value: Any, path: str, depth: int) -> Any:
+    def convert(self, value: Any, depth: int) -> Any:
         if depth < 0:
-            raise CanonicalizationError(path, "nested too deeply")
-        if value is None or isinstance(value, bool | str):
+            raise _Unrepresentable("nested too deeply")
+        kind = type(value)
+        if value is None or kind is str or kind is bool:
             return value
+        if kind is dict or isinstance(value, Mapping):
+            out = {}
+            for key, item in value.items():
+                if type(key) is not str:
+                    raise _Unrepresentable("object keys must be strings")
+                if not key.isascii():
+                    self.plain = False
+                try:
+                    out[key] = self.convert(item, depth - 1)
+                except _Unrepresentable as exc:
+                    exc.steps.append(f".{key}")
+                    raise
+            return out
+        if kind is list or kind is tuple:
+            converted = []
+            for i, item in enumerate(value):
+                try:
+                    converted.append(self.convert(item, depth - 1))
+                except _Unrepresentable as exc:
+                    exc.steps.append(f"[{i}]")
+                    raise
+            return converted
         if isinstance(value, int):
             return value if abs(value) <= MAX_SAFE_INTEGER else str(value)
         if isinstance(value, float):
             if not math.isfinite(value):
-                raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
+                raise _Unrepresentable("NaN and Infinity are not JSON numbers")
             self.plain = False
             return value
-        if isinstance(value, Mapping):
-            out = {}
-            for key, item in value.items():
-                if not isinstance(key, str):
-                    raise CanonicalizationError(path, "object keys must be strings")
-                if not key.isascii():
-                    self.plain = False
-                out[key] = self.convert(item, f"{path}.{key}", depth - 1)
-            return out
+        if isinstance(value, str):  # a str subclass
+            return str(value)
         if isinstance(value, list | tuple):
-            return [self.convert(item, f"{path}[{i}]", depth - 1) for i, item in enumerate(value)]
+            return self.convert(list(value), depth)
         if isinstance(value, decimal.Decimal):
             if not value.is_finite():
-                raise CanonicalizationError(path, "NaN and Infinity are not JSON numbers")
+                raise _Unrepresentable("NaN and Infinity are not JSON numbers")
             return str(value)
         if isinstance(value, dt.datetime | dt.date | dt.time):
             return value.isoformat()
-        raise CanonicalizationError(path, f"{type(value).__name__} is not JSON")
+        raise _Unrepresentable(f"{type(value).__name__} is not JSON")
 
 
 def canonical(value: Any) -> bytes:

@@ -144,7 +144,7 @@ class _Work:
     new_attempts: list[Attempt] = field(default_factory=list)
     # With the owner's invocation_id, the attempt_id and, if already stored, its pk.
     new_outcomes: list[tuple[Outcome, str, str, int | None]] = field(default_factory=list)
-    new_events: list[tuple[Event, str]] = field(default_factory=list)
+    new_events: list[tuple[store.NewEvent, str]] = field(default_factory=list)
     dirty: dict[str, Invocation] = field(default_factory=dict)
     read_event_count: dict[str, int] = field(default_factory=dict)
 
@@ -190,8 +190,7 @@ class _Work:
     def event(self, invocation: Invocation, kind: str, actor: str, data: dict[str, Any]) -> None:
         invocation.event_count += 1
         body = {"state": _state_summary(invocation), **data}
-        event = Event(
-            invocation=invocation,
+        event = store.NewEvent(
             seq=invocation.event_count,
             kind=kind,
             actor=actor,
@@ -223,7 +222,7 @@ class _Work:
         )
 
 
-def event_body(event: Event, invocation_id: str) -> dict[str, Any]:
+def event_body(event: Event | store.NewEvent, invocation_id: str) -> dict[str, Any]:
     """What an event's hash covers: everything but its own hash."""
     return {
         "invocation_id": invocation_id,

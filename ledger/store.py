@@ -11,6 +11,13 @@ directly (the rest of the project uses the ORM):
   invocation is `ON CONFLICT DO NOTHING`. If any of them did not happen, another
   request won a race, and `ledger_assert_written` raises so that the whole
   statement rolls back and the caller reloads and applies its items again.
+
+Rows travel as one JSON array per table, turned back into rows of the table's own
+type by `jsonb_populate_record`, so the statement does not change with the number
+of rows and PostgreSQL plans it once per connection. Both statements are written
+with PostgreSQL's `$n` placeholders and run on a psycopg `RawCursor`: psycopg does
+not cache its parsing of `%s` for statements this long, and that parsing cost more
+than the statement itself.
 """
 
 from __future__ import annotations
@@ -18,21 +25,21 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from django.db import DatabaseError, connection, models, transaction
-from psycopg.types.json import Jsonb
 
-from ledger.models import Attempt, Capability, Event, Invocation, Outcome
+from ledger.models import Attempt, Capability, Invocation, Outcome
 
 RACE_LOST_SQLSTATE = "LD001"
 
 LOAD_SQL = """
 SELECT
-  (SELECT coalesce(json_agg(c), '[]') FROM ledger_capability c WHERE c.scope = ANY(%(scopes)s)),
+  (SELECT coalesce(json_agg(c), '[]') FROM ledger_capability c WHERE c.scope = ANY($1::text[])),
   (SELECT coalesce(json_agg(json_build_object(
       'invocation', i,
       'capability', (SELECT row_to_json(c) FROM ledger_capability c WHERE c.id = i.capability_id),
@@ -40,122 +47,42 @@ SELECT
                    FROM ledger_attempt a LEFT JOIN ledger_outcome o ON o.attempt_id = a.id
                    WHERE a.invocation_id = i.id))), '[]')
    FROM ledger_invocation i
-   WHERE i.invocation_id = ANY(%(ids)s)
-      OR (i.capability_scope = ANY(%(scopes)s) AND i.idempotency_key = ANY(%(keys)s)))
+   WHERE i.invocation_id = ANY($2::text[])
+      OR (i.capability_scope = ANY($1::text[]) AND i.idempotency_key = ANY($3::text[])))
 """
 
-SQL_TYPES = {
-    "CharField": "text",
-    "TextField": "text",
-    "BooleanField": "boolean",
-    "PositiveSmallIntegerField": "integer",
-    "PositiveIntegerField": "integer",
-    "BigAutoField": "bigint",
-    "ForeignKey": "bigint",
-    "OneToOneField": "bigint",
-    "DateTimeField": "timestamptz",
-    "JSONField": "jsonb",
-    # Arrays travel as JSON: a text[][] parameter would have to be rectangular.
-    "ArrayField": "jsonb",
-}
+
+def _stored(model: type[models.Model], *, skip: Iterable[str] = ()) -> list[models.Field]:
+    return [f for f in model._meta.concrete_fields if not f.primary_key and f.name not in skip]
 
 
-def _spec(model: type[models.Model], names: Iterable[str]) -> list[tuple[str, str]]:
-    by_column = {f.column: f for f in model._meta.concrete_fields}
-    return [(name, SQL_TYPES[by_column[name].get_internal_type()]) for name in names]
-
-
-def _unnest(spec: Sequence[tuple[str, str]], alias: str) -> str:
-    """`unnest(%s::t[], …) AS alias(name, …)`: one array parameter per column."""
-    arrays = ", ".join(f"%s::{sql_type}[]" for _, sql_type in spec)
-    return f"unnest({arrays}) AS {alias}({', '.join(name for name, _ in spec)})"
-
-
-def _read(model: type[models.Model], name: str, alias: str) -> str:
-    field_ = next(f for f in model._meta.concrete_fields if f.column == name)
-    if field_.get_internal_type() == "ArrayField":
-        return f"ARRAY(SELECT jsonb_array_elements_text({alias}.{name}))"
-    return f"{alias}.{name}"
-
-
-def _reads(model: type[models.Model], names: Iterable[str], alias: str) -> str:
-    return ", ".join(_read(model, name, alias) for name in names)
-
-
-def _stored_columns(model: type[models.Model], *, skip: Iterable[str] = ()) -> list[str]:
-    return [
-        str(f.column)
-        for f in model._meta.concrete_fields
-        if not f.primary_key and f.name not in skip
-    ]
-
-
-INVOCATION_COLUMNS = _stored_columns(Invocation)
-PROJECTION_COLUMNS = [
-    "status", "failure_class", "cause", "resolution", "flags", "attempt_count",
-    "in_flight_attempt", "deadline_at", "event_count", "head_hash", "updated_at",
-    "lease_owner", "lease_expires_at", "probe_tries", "next_probe_at", "proposal", "assignee",
+# (column, attribute) pairs: rows are written by column, read from the model by attribute.
+INVOCATION_FIELDS = [(str(f.column), f.attname) for f in _stored(Invocation)]
+PROJECTION_FIELDS = [
+    (name, name) for name in (
+        "status", "failure_class", "cause", "resolution", "flags", "attempt_count",
+        "in_flight_attempt", "deadline_at", "event_count", "head_hash", "updated_at",
+        "lease_owner", "lease_expires_at", "probe_tries", "next_probe_at", "proposal",
+        "assignee",
+    )
 ]  # fmt: skip
-ATTEMPT_COLUMNS = ["attempt_id", "number", "admitted_at", "deadline_at"]
-OUTCOME_COLUMNS = _stored_columns(Outcome, skip=["attempt"])
-EVENT_COLUMNS = ["seq", "kind", "actor", "data", "created_at", "prev_hash", "hash"]
-
-NEW_INVOCATION_SPEC = _spec(Invocation, INVOCATION_COLUMNS)
-UPDATE_SPEC = [
-    ("row_id", "bigint"),
-    ("expected", "integer"),
-    *_spec(Invocation, PROJECTION_COLUMNS),
+ATTEMPT_FIELDS = [(name, name) for name in ("attempt_id", "number", "admitted_at", "deadline_at")]
+OUTCOME_FIELDS = [(str(f.column), f.attname) for f in _stored(Outcome, skip=["attempt"])]
+EVENT_FIELDS = [
+    (name, name) for name in ("seq", "kind", "actor", "data", "created_at", "prev_hash", "hash")
 ]
-ATTEMPT_SPEC = [("owner", "text"), *_spec(Attempt, ATTEMPT_COLUMNS)]
-OUTCOME_SPEC = [
-    ("owner", "text"),
-    ("attempt_key", "text"),
-    ("attempt_pk", "bigint"),
-    *_spec(Outcome, OUTCOME_COLUMNS),
-]
-EVENT_SPEC = [("owner", "text"), *_spec(Event, EVENT_COLUMNS)]
 
-NEW_INVOCATION_CTE = f"""
-new_invocation AS (
-  INSERT INTO ledger_invocation ({", ".join(INVOCATION_COLUMNS)})
-  SELECT {_reads(Invocation, INVOCATION_COLUMNS, "v")}
-  FROM {_unnest(NEW_INVOCATION_SPEC, "v")}
-  ON CONFLICT DO NOTHING
-  RETURNING id, invocation_id
-)"""
-UPDATED_CTE = f"""
-updated AS (
-  UPDATE ledger_invocation i
-  SET {", ".join(f"{c} = {_read(Invocation, c, 'v')}" for c in PROJECTION_COLUMNS)}
-  FROM {_unnest(UPDATE_SPEC, "v")}
-  WHERE i.id = v.row_id AND i.event_count = v.expected
-  RETURNING i.id, i.invocation_id
-)"""
-NEW_ATTEMPT_CTE = f"""
-new_attempt AS (
-  INSERT INTO ledger_attempt (invocation_id, {", ".join(ATTEMPT_COLUMNS)})
-  SELECT t.id, {_reads(Attempt, ATTEMPT_COLUMNS, "v")}
-  FROM {_unnest(ATTEMPT_SPEC, "v")}
-  JOIN touched t ON t.invocation_id = v.owner
-  RETURNING id, invocation_id, attempt_id
-)"""
-NEW_OUTCOME_CTE = """
-new_outcome AS (
-  INSERT INTO ledger_outcome (attempt_id, {columns})
-  SELECT {attempt}, {reads}
-  FROM {unnest}
-  JOIN touched t ON t.invocation_id = v.owner
-  {join}
-  RETURNING 1
-)"""
-NEW_EVENT_CTE = f"""
-new_event AS (
-  INSERT INTO ledger_event (invocation_id, {", ".join(EVENT_COLUMNS)})
-  SELECT t.id, {_reads(Event, EVENT_COLUMNS, "v")}
-  FROM {_unnest(EVENT_SPEC, "v")}
-  JOIN touched t ON t.invocation_id = v.owner
-  RETURNING 1
-)"""
+
+def _columns(fields: Sequence[tuple[str, str]], alias: str = "") -> str:
+    return ", ".join(f"{alias}{column}" for column, _ in fields)
+
+
+def _rows(table: str, placeholder: str) -> str:
+    """The rows of one JSON array parameter as `r.j` (the element) and `v` (the row)."""
+    return (
+        f"jsonb_array_elements({placeholder}::jsonb) AS r(j) "
+        f"CROSS JOIN LATERAL jsonb_populate_record(NULL::{table}, r.j) AS v"
+    )
 
 
 @functools.cache
@@ -164,40 +91,99 @@ def write_sql(new_invocations: bool, updates: bool, new_attempts: bool, new_outc
 
     Each request shape (an intent, an intent with its first attempt, an attempt, an
     outcome, a batch) gets its own text, so psycopg prepares each once per
-    connection and PostgreSQL plans it once.
+    connection and PostgreSQL plans it once. Parameter n is the JSON array of rows
+    for the n-th part; the check at the end counts that each part wrote all of them.
     """
-    parts, counted = [], []
-    touched = []
+    parts: list[str] = []
+    written: list[tuple[str, str]] = []  # (CTE, its rows' placeholder)
+    touched: list[str] = []
+
+    def rows_of(cte: str) -> str:
+        placeholder = f"${len(written) + 1}"
+        written.append((cte, placeholder))
+        return placeholder
+
     if new_invocations:
-        parts.append(NEW_INVOCATION_CTE)
-        counted.append("new_invocation")
+        parts.append(f"""
+new_invocation AS (
+  INSERT INTO ledger_invocation ({_columns(INVOCATION_FIELDS)})
+  SELECT {_columns(INVOCATION_FIELDS, "v.")}
+  FROM {_rows("ledger_invocation", rows_of("new_invocation"))}
+  ON CONFLICT DO NOTHING
+  RETURNING id, invocation_id
+)""")
         touched.append("SELECT id, invocation_id FROM new_invocation")
     if updates:
-        parts.append(UPDATED_CTE)
-        counted.append("updated")
+        assignments = ", ".join(f"{column} = v.{column}" for column, _ in PROJECTION_FIELDS)
+        parts.append(f"""
+updated AS (
+  UPDATE ledger_invocation i SET {assignments}
+  FROM {_rows("ledger_invocation", rows_of("updated"))}
+  WHERE i.id = v.id AND i.event_count = (r.j ->> 'expected')::integer
+  RETURNING i.id, i.invocation_id
+)""")
         touched.append("SELECT id, invocation_id FROM updated")
     parts.append(f"\ntouched AS ({' UNION ALL '.join(touched)})")
     if new_attempts:
-        parts.append(NEW_ATTEMPT_CTE)
-        counted.append("new_attempt")
+        parts.append(f"""
+new_attempt AS (
+  INSERT INTO ledger_attempt (invocation_id, {_columns(ATTEMPT_FIELDS)})
+  SELECT t.id, {_columns(ATTEMPT_FIELDS, "v.")}
+  FROM {_rows("ledger_attempt", rows_of("new_attempt"))}
+  JOIN touched t ON t.invocation_id = r.j ->> 'owner'
+  RETURNING id, invocation_id, attempt_id
+)""")
     if new_outcomes:
-        parts.append(
-            NEW_OUTCOME_CTE.format(
-                columns=", ".join(OUTCOME_COLUMNS),
-                reads=_reads(Outcome, OUTCOME_COLUMNS, "v"),
-                unnest=_unnest(OUTCOME_SPEC, "v"),
-                attempt="coalesce(v.attempt_pk, na.id)" if new_attempts else "v.attempt_pk",
-                join="LEFT JOIN new_attempt na ON na.invocation_id = t.id "
-                "AND na.attempt_id = v.attempt_key"
-                if new_attempts
-                else "",
+        # An outcome for an attempt admitted in this same unit finds it by attempt_id.
+        attempt, join = "(r.j ->> 'attempt_pk')::bigint", ""
+        if new_attempts:
+            attempt = f"coalesce({attempt}, na.id)"
+            join = (
+                "LEFT JOIN new_attempt na ON na.invocation_id = t.id "
+                "AND na.attempt_id = r.j ->> 'attempt_key'"
             )
-        )
-        counted.append("new_outcome")
-    parts.append(NEW_EVENT_CTE)
-    counted.append("new_event")
-    checks = " AND ".join(f"(SELECT count(*) FROM {name}) = %s" for name in counted)
+        parts.append(f"""
+new_outcome AS (
+  INSERT INTO ledger_outcome (attempt_id, {_columns(OUTCOME_FIELDS)})
+  SELECT {attempt}, {_columns(OUTCOME_FIELDS, "v.")}
+  FROM {_rows("ledger_outcome", rows_of("new_outcome"))}
+  JOIN touched t ON t.invocation_id = r.j ->> 'owner'
+  {join}
+  RETURNING 1
+)""")
+    parts.append(f"""
+new_event AS (
+  INSERT INTO ledger_event (invocation_id, {_columns(EVENT_FIELDS)})
+  SELECT t.id, {_columns(EVENT_FIELDS, "v.")}
+  FROM {_rows("ledger_event", rows_of("new_event"))}
+  JOIN touched t ON t.invocation_id = r.j ->> 'owner'
+  RETURNING 1
+)""")
+    checks = " AND ".join(
+        f"(SELECT count(*) FROM {cte}) = jsonb_array_length({placeholder}::jsonb)"
+        for cte, placeholder in written
+    )
     return f"WITH {','.join(parts)}\nSELECT ledger_assert_written({checks})"
+
+
+def _execute(query: str, params: Sequence[Any]) -> tuple[Any, ...]:
+    """One statement on Django's connection, with `$n` placeholders, its one row.
+
+    Django's execute wrappers still see it, as they would a query of the ORM.
+    """
+    connection.ensure_connection()
+    with connection.wrap_database_errors, psycopg.RawCursor(connection.connection) as cursor:
+
+        def run(sql: str, params: Sequence[Any], many: bool, context: dict[str, Any]) -> None:
+            cursor.execute(sql, params)
+
+        executor: Callable[..., None] = run
+        for wrapper in reversed(connection.execute_wrappers):
+            executor = functools.partial(wrapper, executor)
+        executor(query, params, False, {"connection": connection, "cursor": cursor})
+        row = cursor.fetchone()
+    assert row is not None
+    return row
 
 
 class RaceLost(Exception):
@@ -228,9 +214,7 @@ class Loaded:
 
 
 def load(*, ids: Iterable[str], scopes: Iterable[str], keys: Iterable[str]) -> Loaded:
-    with connection.cursor() as cursor:
-        cursor.execute(LOAD_SQL, {"ids": list(ids), "scopes": list(scopes), "keys": list(keys)})
-        capabilities_json, invocations_json = cursor.fetchone()
+    capabilities_json, invocations_json = _execute(LOAD_SQL, [list(scopes), list(ids), list(keys)])
     loaded = Loaded(capabilities=[_instance(Capability, row) for row in _json(capabilities_json)])
     for entry in _json(invocations_json):
         attempts = [
@@ -251,20 +235,32 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str | bytes) else value
 
 
-def _param(sql_type: str, value: Any) -> Any:
-    if sql_type == "jsonb" and value is not None:
-        return Jsonb(value)
-    return value
+def _record(obj: object, fields: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    return {column: getattr(obj, attname) for column, attname in fields}
 
 
-def _arrays(spec: Sequence[tuple[str, str]], rows: Sequence[Sequence[Any]]) -> list[list[Any]]:
-    """Column-major parameters for `_unnest(spec)` from row-major values."""
-    return [[_param(sql_type, row[i]) for row in rows] for i, (_, sql_type) in enumerate(spec)]
+def _json_default(value: Any) -> str:
+    if isinstance(value, dt.datetime):
+        # Full microseconds: the event hashes cover these exact instants.
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def _attrs(model: type[models.Model], obj: models.Model, names: Iterable[str]) -> list[Any]:
-    by_column = {f.column: f.attname for f in model._meta.concrete_fields}
-    return [getattr(obj, by_column[name]) for name in names]
+def _array(rows: list[dict[str, Any]]) -> str:
+    return json.dumps(rows, default=_json_default, separators=(",", ":"))
+
+
+@dataclass(slots=True)
+class NewEvent:
+    """An event on its way to `write`: a plain record, cheaper to build than a model."""
+
+    seq: int
+    kind: str
+    actor: str
+    data: dict[str, Any]
+    created_at: dt.datetime
+    prev_hash: str
+    hash: str = ""
 
 
 @dataclass
@@ -273,7 +269,7 @@ class Writes:
     updated: list[tuple[Invocation, int]]  # with the event_count that was read
     new_attempts: list[Attempt]
     new_outcomes: list[tuple[Outcome, str, str, int | None]]  # owner, attempt_id, attempt pk
-    new_events: list[tuple[Event, str]]  # owner invocation_id
+    new_events: list[tuple[NewEvent, str]]  # owner invocation_id
 
 
 def write(writes: Writes) -> None:
@@ -284,42 +280,40 @@ def write(writes: Writes) -> None:
         bool(writes.new_attempts),
         bool(writes.new_outcomes),
     )
-    params: list[Any] = []
-    counts: list[int] = []
+    params: list[str] = []
     if writes.new_invocations:
-        rows = [_attrs(Invocation, row, INVOCATION_COLUMNS) for row in writes.new_invocations]
-        params += _arrays(NEW_INVOCATION_SPEC, rows)
-        counts.append(len(rows))
+        params.append(_array([_record(row, INVOCATION_FIELDS) for row in writes.new_invocations]))
     if writes.updated:
-        rows = [
-            [row.pk, expected, *_attrs(Invocation, row, PROJECTION_COLUMNS)]
-            for row, expected in writes.updated
-        ]
-        params += _arrays(UPDATE_SPEC, rows)
-        counts.append(len(rows))
+        params.append(
+            _array([
+                {"id": row.pk, "expected": expected, **_record(row, PROJECTION_FIELDS)}
+                for row, expected in writes.updated
+            ])
+        )  # fmt: skip
     if writes.new_attempts:
-        rows = [
-            [a.invocation.invocation_id, *_attrs(Attempt, a, ATTEMPT_COLUMNS)]
-            for a in writes.new_attempts
-        ]
-        params += _arrays(ATTEMPT_SPEC, rows)
-        counts.append(len(rows))
+        params.append(
+            _array([
+                {"owner": a.invocation.invocation_id, **_record(a, ATTEMPT_FIELDS)}
+                for a in writes.new_attempts
+            ])
+        )  # fmt: skip
     if writes.new_outcomes:
-        rows = [
-            [owner, attempt_id, attempt_pk, *_attrs(Outcome, o, OUTCOME_COLUMNS)]
-            for o, owner, attempt_id, attempt_pk in writes.new_outcomes
-        ]
-        params += _arrays(OUTCOME_SPEC, rows)
-        counts.append(len(rows))
-    rows = [[owner, *_attrs(Event, e, EVENT_COLUMNS)] for e, owner in writes.new_events]
-    params += _arrays(EVENT_SPEC, rows)
-    counts.append(len(rows))
+        params.append(
+            _array([
+                {"owner": owner, "attempt_key": attempt_id, "attempt_pk": attempt_pk,
+                 **_record(o, OUTCOME_FIELDS)}
+                for o, owner, attempt_id, attempt_pk in writes.new_outcomes
+            ])
+        )  # fmt: skip
+    params.append(
+        _array([{"owner": owner, **_record(e, EVENT_FIELDS)} for e, owner in writes.new_events])
+    )
     # Inside a caller's transaction a savepoint contains the failure; on its own the
     # statement is its own transaction (no BEGIN/COMMIT round trips).
     scope = transaction.atomic() if connection.in_atomic_block else nullcontext()
     try:
-        with scope, connection.cursor() as cursor:
-            cursor.execute(write_sql(*shape), [*params, *counts])
+        with scope:
+            _execute(write_sql(*shape), params)
     except DatabaseError as error:
         if getattr(error.__cause__, "sqlstate", None) == RACE_LOST_SQLSTATE:
             raise RaceLost from error
