@@ -66,7 +66,7 @@ def identifier(**kwargs: Any) -> serializers.CharField:
 
 
 def check_json_value(value: Any) -> None:
-    """Depth and I-JSON number limits, naming the first offending path."""
+    """Depth, I-JSON number and NUL limits, naming the first offending path."""
     max_depth = settings.LEDGER_MAX_JSON_DEPTH
     stack: list[tuple[Any, str, int]] = [(value, "$", 0)]
     while stack:
@@ -74,7 +74,14 @@ def check_json_value(value: Any) -> None:
         if depth > max_depth:
             raise serializers.ValidationError(f"{path}: nested deeper than {max_depth} levels.")
         if isinstance(node, dict):
+            for key in node:
+                if "\x00" in key:
+                    raise serializers.ValidationError(f"{path}: a key holds U+0000 (NUL).")
             stack.extend((item, f"{path}.{key}", depth + 1) for key, item in node.items())
+        elif isinstance(node, str):
+            if "\x00" in node:
+                # PostgreSQL's jsonb cannot store it; refuse before anything is written.
+                raise serializers.ValidationError(f"{path}: U+0000 (NUL) is not allowed.")
         elif isinstance(node, list):
             stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(node))
         elif (

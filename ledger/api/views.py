@@ -310,7 +310,7 @@ def validation_body(exc: ValidationError) -> dict[str, Any]:
 
 
 class DeclarationSerializer(s.StrictSerializer):
-    declaration = serializers.JSONField()
+    declaration = s.JSONValueField()
     http_method = serializers.ChoiceField(
         choices=[m.upper() for m in acc.HTTP_METHODS], required=False
     )

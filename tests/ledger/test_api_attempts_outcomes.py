@@ -91,6 +91,13 @@ def test_a_result_is_digested_and_masked(in_flight: Api) -> None:
     assert outcome.result_digest == chain.digest(result)
 
 
+def test_a_result_holding_nul_is_refused_and_changes_nothing(in_flight: Api) -> None:
+    status, body = in_flight.outcome("inv-1", "a1", kind="succeeded", result={"id": "RF\x00"})
+    assert (status, body["error"]["type"]) == (400, "validation_failed")
+    assert "result" in body["error"]["details"]
+    assert not Outcome.objects.exists()
+
+
 def test_an_outcome_for_an_unknown_attempt_is_not_found(in_flight: Api) -> None:
     status, body = in_flight.outcome("inv-1", "a9", kind="succeeded")
     assert (status, body["error"]["type"]) == (404, "not_found")

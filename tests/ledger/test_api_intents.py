@@ -208,6 +208,9 @@ BAD_BODIES = [
         "arguments",
     ),
     ("too deep", intent_body(arguments=nest(40)), "validation_failed", "arguments"),
+    # PostgreSQL's jsonb cannot hold U+0000: refused up front, never a 500.
+    ("NUL in a value", intent_body(arguments={"note": "a\x00b"}), "validation_failed", "arguments"),
+    ("NUL in a key", intent_body(arguments={"a\x00": 1}), "validation_failed", "arguments"),
     ("bad traceparent", intent_body(traceparent="00-zz"), "validation_failed", "traceparent"),
     ("no arguments", intent_body(arguments=None), "validation_failed", "arguments"),
     ("empty key", intent_body(idempotency_key=""), "validation_failed", "idempotency_key"),

@@ -212,6 +212,17 @@ def test_an_invalid_posted_declaration_is_refused_with_its_diagnostic(
     assert not Capability.objects.exists()
 
 
+def test_a_posted_declaration_holding_nul_is_refused(admin_client: Client) -> None:
+    response = admin_client.post(
+        "/api/v1/capabilities",
+        {"declaration": {**DECLARATION, "description": "refund\x00"}},
+        content_type="application/json",
+    )
+    assert response.status_code == 400
+    assert "declaration" in response.json()["error"]["details"]
+    assert not Capability.objects.exists()
+
+
 def test_runtimes_and_non_administrators_cannot_register_capabilities(api: Api) -> None:
     status, body = api.post("/api/v1/capabilities", {"declaration": DECLARATION})
     assert (status, body["error"]["type"]) == (401, "unauthenticated")
