@@ -1,12 +1,13 @@
 """Writing evidence: intents, attempt admissions, outcomes and ledger-made flags.
 
-Every write goes through one unit of work (`_Work`): it loads the invocations a
-request touches with one locking query, applies the items in order in memory
-through `policy`, and writes the new rows with one statement per table. A single
-API call is a batch of one, so `POST /api/v1/evidence` answers exactly what the
-single calls would. A unique-constraint race (two runtimes recording the same
-intent at once) rolls the whole unit back and runs it again: the second run sees
-the winner's rows and answers as a replay or a conflict.
+Every write goes through one unit of work (`_Work`): it reads the invocations a
+request touches with one statement, applies the items in order in memory through
+`policy`, and writes every new row and changed projection with one more statement
+(`ledger/store.py`). Nothing is locked in between: the write is a compare-and-set,
+and a unit that lost a race (another request changed an invocation, or recorded the
+same intent first) writes nothing and runs again, so it answers as a replay or a
+conflict. A single API call is a batch of one, so `POST /api/v1/evidence` answers
+exactly what the single calls would.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ more than PostgreSQL spends on the whole write, so the evidence hot path speaks 
 directly (the rest of the project uses the ORM):
 
 - `load` reads the capabilities and the invocations a request names, with their
-  attempts and outcomes, as one JSON row;
+  attempts and outcomes, as one JSON row (`detail`, behind `GET` of one invocation,
+  reads one invocation with its events the same way);
 - `write` inserts every new row and updates every touched projection in one
   statement. Each projection update is a compare-and-set on `event_count`; a new
   invocation is `ON CONFLICT DO NOTHING`. If any of them did not happen, another
@@ -33,7 +34,7 @@ from typing import Any
 import psycopg
 from django.db import DatabaseError, connection, models, transaction
 
-from ledger.models import Attempt, Capability, Invocation, Outcome
+from ledger.models import Attempt, Capability, Event, Invocation, Outcome
 
 RACE_LOST_SQLSTATE = "LD001"
 
@@ -229,6 +230,47 @@ def load(*, ids: Iterable[str], scopes: Iterable[str], keys: Iterable[str]) -> L
             invocation.capability = _instance(Capability, entry["capability"])
         loaded.invocations.append((invocation, attempts))
     return loaded
+
+
+DETAIL_SQL = """
+SELECT (
+  SELECT json_build_object(
+    'invocation', i,
+    'attempts', (SELECT coalesce(json_agg(json_build_object('attempt', a, 'outcome', o)
+                                          ORDER BY a.number), '[]')
+                 FROM ledger_attempt a LEFT JOIN ledger_outcome o ON o.attempt_id = a.id
+                 WHERE a.invocation_id = i.id),
+    'events', (SELECT coalesce(json_agg(e ORDER BY e.seq), '[]')
+               FROM ledger_event e WHERE e.invocation_id = i.id))
+  FROM ledger_invocation i
+  WHERE i.invocation_id = $1 AND i.runtime_id = $2)
+"""
+
+
+@dataclass
+class Detail:
+    invocation: Invocation
+    attempts: list[tuple[Attempt, Outcome | None]]
+    events: list[Event]
+
+
+def detail(*, invocation_id: str, runtime_id: int) -> Detail | None:
+    """One runtime's invocation with its attempts, outcomes and events, or None."""
+    (found,) = _execute(DETAIL_SQL, [invocation_id, runtime_id])
+    if found is None:
+        return None
+    found = _json(found)
+    return Detail(
+        invocation=_instance(Invocation, found["invocation"]),
+        attempts=[
+            (
+                _instance(Attempt, pair["attempt"]),
+                _instance(Outcome, pair["outcome"]) if pair["outcome"] else None,
+            )
+            for pair in found["attempts"]
+        ],
+        events=[_instance(Event, row) for row in found["events"]],
+    )
 
 
 def _json(value: Any) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.authentication import BasicAuthentication, SessionAuthentication
@@ -15,11 +14,11 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from ledger import acc, policy, services
+from ledger import acc, policy, services, store
 from ledger.api import serializers as s
 from ledger.api.errors import error_body, exception_handler
 from ledger.capabilities import Registered, capability_register
-from ledger.models import Attempt, Event, Invocation, Runtime
+from ledger.models import Invocation, Runtime
 from ledger.services import Applied, LedgerError
 
 ERRORS = {
@@ -122,10 +121,10 @@ class OutcomeView(APIView):
         return written(services.record_outcome(runtime=runtime_of(request), outcome=outcome))
 
 
-def invocation_detail(invocation: Invocation) -> dict[str, Any]:
+def invocation_detail(found: store.Detail) -> dict[str, Any]:
+    invocation = found.invocation
     attempts = []
-    for attempt in invocation.attempts.all():
-        outcome = getattr(attempt, "outcome", None)
+    for attempt, outcome in found.attempts:
         attempts.append(
             {
                 "attempt_id": attempt.attempt_id,
@@ -169,7 +168,7 @@ def invocation_detail(invocation: Invocation) -> dict[str, Any]:
                 "prev_hash": e.prev_hash,
                 "hash": e.hash,
             }
-            for e in invocation.events.all()
+            for e in found.events
         ],
     }
 
@@ -181,18 +180,12 @@ class InvocationDetailView(APIView):
         summary="State, retry decision, attempts and events of one invocation",
     )
     def get(self, request: Request, invocation_id: str) -> Response:
-        invocation = (
-            Invocation.objects.for_runtime(runtime_of(request))
-            .prefetch_related(
-                Prefetch("attempts", Attempt.objects.order_by("number").select_related("outcome")),
-                Prefetch("events", Event.objects.order_by("seq")),
-            )
-            .filter(invocation_id=valid_path_id(invocation_id))
-            .first()
+        found = store.detail(
+            invocation_id=valid_path_id(invocation_id), runtime_id=runtime_of(request).pk
         )
-        if invocation is None:
+        if found is None:
             raise NotFound("no such invocation")
-        return Response(invocation_detail(invocation))
+        return Response(invocation_detail(found))
 
 
 class ListQuerySerializer(s.StrictSerializer):

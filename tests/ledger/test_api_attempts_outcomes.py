@@ -37,6 +37,32 @@ def test_lost_evidence_refuses_a_new_attempt_with_the_typed_state(in_flight: Api
     assert Event.objects.count() == events_before
 
 
+def test_one_invocation_reads_back_with_its_attempts_outcomes_and_chain(
+    api: Api, lookup: Capability
+) -> None:
+    api.intent(capability="order.read", attempt_id="a1")
+    lost = {"code": "E503", "message": "down"}
+    api.outcome("inv-1", "a1", kind="dispatch_not_established", error=lost)
+    api.attempt("inv-1", "a2")
+    api.outcome("inv-1", "a2", kind="succeeded", result={"order": "SO-1"})
+    status, body = api.get("/api/v1/invocations/inv-1")
+    assert status == 200
+    assert (body["status"], body["capability"], body["arguments"]) == (
+        "succeeded", "order.read", {"order": "SO-1", "amount": "12.50"},
+    )  # fmt: skip
+    assert [(a["attempt_id"], a["number"], a["outcome"]["kind"]) for a in body["attempts"]] == [
+        ("a1", 1, "dispatch_not_established"),
+        ("a2", 2, "succeeded"),
+    ]
+    assert body["attempts"][0]["outcome"]["error_code"] == "E503"
+    assert body["attempts"][1]["outcome"]["result"] == {"order": "SO-1"}
+    stored = Event.objects.filter(invocation__invocation_id="inv-1").order_by("seq")
+    assert [(e["seq"], e["kind"], e["hash"]) for e in body["events"]] == [
+        (e.seq, e.kind, e.hash) for e in stored
+    ]
+    assert body["events"][0]["prev_hash"] == chain.GENESIS_HASH
+
+
 def test_a_readonly_capability_may_retry_after_lost_evidence(api: Api, lookup: Capability) -> None:
     api.intent(capability="order.read", attempt_id="a1")
     status, body = api.outcome("inv-1", "a1", kind="post_dispatch_evidence_failed")
