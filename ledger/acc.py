@@ -235,12 +235,35 @@ def load_document(text: str | bytes) -> dict[str, Any]:
         raise NotAnOpenAPIDocument(f"not YAML or JSON: {exc}") from None
     if not isinstance(document, dict):
         raise NotAnOpenAPIDocument("the document is not a mapping")
+    nul = _nul_path(document, "$")
+    if nul is not None:
+        # YAML's "\0" escape can write it; PostgreSQL's jsonb cannot store it.
+        raise NotAnOpenAPIDocument(f"{nul}: U+0000 (NUL) is not allowed")
     version = document.get("openapi")
     if not isinstance(version, str) or not version.startswith("3."):
         raise NotAnOpenAPIDocument("not an OpenAPI 3 document (no 'openapi: 3.x' field)")
     if not isinstance(document.get("paths"), dict):
         raise NotAnOpenAPIDocument("an OpenAPI document needs a 'paths' object")
     return document
+
+
+def _nul_path(value: Any, path: str) -> str | None:
+    """The path of the first string or key holding U+0000, or None."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and "\x00" in key:
+                return path
+            found = _nul_path(item, f"{path}.{key}")
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _nul_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def declarations_in(document: Mapping[str, Any]) -> list[Found | Skipped]:

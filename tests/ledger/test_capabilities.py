@@ -57,7 +57,13 @@ def test_a_dry_run_reports_and_writes_nothing(db: None) -> None:
     assert Capability.objects.count() == 0
 
 
-@pytest.mark.parametrize("content", [b"\x00\x01not yaml: [", b"swagger: '2.0'\npaths: {}\n"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x00\x01not yaml: [",
+        b"swagger: '2.0'\npaths: {}\n",
+    ],
+)
 def test_a_malformed_document_is_refused_and_changes_nothing(
     db: None, tmp_path: Path, content: bytes
 ) -> None:
@@ -68,6 +74,19 @@ def test_a_malformed_document_is_refused_and_changes_nothing(
         import_file(path)
     assert list(Capability.objects.values_list("scope", flat=True)) == ["order.read"]
     assert CapabilityDeclaration.objects.count() == 1
+
+
+def test_a_nul_written_with_a_yaml_escape_is_refused_by_path(db: None, tmp_path: Path) -> None:
+    # PostgreSQL's jsonb could not store it: the import must refuse, not fail in SQL.
+    document = (SHARED_ACC / "openapi-basic.yaml").read_text()
+    assert "level: low" in document
+    path = tmp_path / "nul.yaml"
+    path.write_text(document.replace("level: low", 'level: low\n          note: "a\\0b"', 1))
+    with pytest.raises(acc.NotAnOpenAPIDocument, match=r"U\+0000"):
+        acc.load_document(path.read_bytes())
+    with pytest.raises(CommandError, match="nothing was imported"):
+        import_file(path)
+    assert not Capability.objects.exists()
 
 
 def test_a_changed_declaration_is_a_new_version_and_invocations_keep_theirs(
