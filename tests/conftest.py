@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,13 @@ def refund(db: None) -> Capability:
 @pytest.fixture
 def lookup(db: None) -> Capability:
     return Capability.objects.create(scope="order.read", readonly=True, risk_level="low")
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
+    """Poll until a condition holds: for what another process does in its own time."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"not true within {seconds}s: {condition.__doc__ or condition}")

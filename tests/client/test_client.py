@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from ledger.client import (
 )
 from ledger.models import Invocation, Outcome
 from tests.client.conftest import TcpProxy
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,10 +163,10 @@ def test_a_runtime_killed_after_dispatch_still_delivers_from_its_spool(
         cwd=ROOT,
     )
     try:
-        wait_until(lambda: marker.read_text() == "dispatched")
+        wait_for(lambda: marker.read_text() == "dispatched", seconds=20)
         proxy.stop()
         marker.write_text("ledger is down")
-        wait_until(lambda: marker.read_text().startswith("spooled"))
+        wait_for(lambda: marker.read_text().startswith("spooled"), seconds=20)
         assert marker.read_text() == "spooled post_dispatch_evidence_failed"
     finally:
         runtime.send_signal(signal.SIGKILL)
@@ -206,15 +206,6 @@ def test_a_torn_spool_delivers_the_intact_records_and_reports_the_damaged_one(
     assert Path(str(spool) + ".damaged").read_text().strip() == report.damaged[0]
     outcomes = Outcome.objects.values_list("attempt__invocation__invocation_id", flat=True)
     assert list(outcomes) == ["inv-1"]
-
-
-def wait_until(condition: Any, seconds: float = 20) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out")
 
 
 def test_the_client_works_in_a_venv_with_only_httpx(

@@ -41,8 +41,8 @@ def test_one_invocation_reads_back_with_its_attempts_outcomes_and_chain(
     api: Api, lookup: Capability
 ) -> None:
     api.intent(capability="order.read", attempt_id="a1")
-    lost = {"code": "E503", "message": "down"}
-    api.outcome("inv-1", "a1", kind="dispatch_not_established", error=lost)
+    unreachable = {"code": "E503", "message": "down"}
+    api.outcome("inv-1", "a1", kind="dispatch_not_established", error=unreachable)
     api.attempt("inv-1", "a2")
     api.outcome("inv-1", "a2", kind="succeeded", result={"order": "SO-1"})
     status, body = api.get("/api/v1/invocations/inv-1")

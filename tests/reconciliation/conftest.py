@@ -4,8 +4,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,15 +44,6 @@ def perform_refund(standin: StandInService, key: str, amount: int = 25) -> httpx
     return httpx.post(
         f"{standin.url}/refunds", json={"idempotency_key": key, "order": "SO-1", "amount": amount}
     )
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"not true within {seconds}s: {condition.__doc__ or condition}")
 
 
 def status_of(invocation_id: str) -> str:

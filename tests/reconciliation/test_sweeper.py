@@ -13,8 +13,8 @@ from django.utils import timezone
 from ledger.models import Capability, Invocation
 from reconciliation import sweeper
 from reconciliation.tasks import sweep_overdue_attempts
-from tests.conftest import Api
-from tests.reconciliation.conftest import Workers, status_of, wait_for
+from tests.conftest import Api, wait_for
+from tests.reconciliation.conftest import Workers, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,8 +17,8 @@ from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
-from tests.conftest import Api
-from tests.reconciliation.conftest import Workers, perform_refund, status_of, wait_for
+from tests.conftest import Api, wait_for
+from tests.reconciliation.conftest import Workers, perform_refund, status_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
