@@ -138,11 +138,11 @@ class _Work:
     now: dt.datetime
     invocations: dict[str, Invocation] = field(default_factory=dict)
     by_key: dict[tuple[str, str], Invocation] = field(default_factory=dict)
-    attempts: dict[str, dict[str, Attempt]] = field(default_factory=dict)
+    attempts: dict[str, dict[str, Attempt | store.NewAttempt]] = field(default_factory=dict)
     outcomes: dict[tuple[str, str], Outcome] = field(default_factory=dict)
     capabilities: dict[str, Capability | None] = field(default_factory=dict)
     new_invocations: list[Invocation] = field(default_factory=list)
-    new_attempts: list[Attempt] = field(default_factory=list)
+    new_attempts: list[store.NewAttempt] = field(default_factory=list)
     # With the owner's invocation_id, the attempt_id and, if already stored, its pk.
     new_outcomes: list[tuple[Outcome, str, str, int | None]] = field(default_factory=list)
     new_events: list[tuple[store.NewEvent, str]] = field(default_factory=list)
@@ -257,8 +257,8 @@ def _admit(work: _Work, invocation: Invocation, attempt_id: str, actor: str) -> 
         ) from None
     invocation.apply_state(state)
     invocation.deadline_at = _deadline(invocation, work.now)
-    attempt = Attempt(
-        invocation=invocation,
+    attempt = store.NewAttempt(
+        owner=invocation.invocation_id,
         attempt_id=attempt_id,
         number=state.attempts,
         admitted_at=work.now,
@@ -486,7 +486,6 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
     )
     invocation.apply_state(state)
     outcome = Outcome(
-        attempt=attempt,
         kind=item.kind.value,
         retryable=item.retryable,
         business_reference=item.business_reference,

@@ -202,6 +202,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # The write bodies are msgspec structs; their schemas join the components here.
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "ledger.api.inputs.add_schema_components",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "OutcomeKindEnum": "ledger.policy.OutcomeKind",
         "StatusEnum": "ledger.policy.Status",

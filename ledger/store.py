@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import json
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import psycopg
 from django.db import DatabaseError, connection, models, transaction
 
@@ -187,6 +187,9 @@ def _execute(query: str, params: Sequence[Any]) -> tuple[Any, ...]:
     return row
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 class RaceLost(Exception):
     """Another request changed an invocation this unit read; reload and retry."""
 
@@ -274,22 +277,17 @@ def detail(*, invocation_id: str, runtime_id: int) -> Detail | None:
 
 
 def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str | bytes) else value
+    return msgspec.json.decode(value) if isinstance(value, str | bytes) else value
 
 
 def _record(obj: object, fields: Sequence[tuple[str, str]]) -> dict[str, Any]:
     return {column: getattr(obj, attname) for column, attname in fields}
 
 
-def _json_default(value: Any) -> str:
-    if isinstance(value, dt.datetime):
-        # Full microseconds: the event hashes cover these exact instants.
-        return value.isoformat()
-    raise TypeError(f"{type(value).__name__} is not JSON serializable")
-
-
 def _array(rows: list[dict[str, Any]]) -> str:
-    return json.dumps(rows, default=_json_default, separators=(",", ":"))
+    # msgspec writes datetimes in RFC 3339 with full microseconds: the event hashes
+    # cover these exact instants. It is several times faster than json.dumps here.
+    return _ENCODER.encode(rows).decode()
 
 
 @dataclass(slots=True)
@@ -305,11 +303,23 @@ class NewEvent:
     hash: str = ""
 
 
+@dataclass(slots=True)
+class NewAttempt:
+    """An admitted attempt on its way to `write`, like NewEvent; `pk` is not known yet."""
+
+    owner: str  # the invocation's invocation_id
+    attempt_id: str
+    number: int
+    admitted_at: dt.datetime
+    deadline_at: dt.datetime
+    pk: None = None
+
+
 @dataclass
 class Writes:
     new_invocations: list[Invocation]
     updated: list[tuple[Invocation, int]]  # with the event_count that was read
-    new_attempts: list[Attempt]
+    new_attempts: list[NewAttempt]
     new_outcomes: list[tuple[Outcome, str, str, int | None]]  # owner, attempt_id, attempt pk
     new_events: list[tuple[NewEvent, str]]  # owner invocation_id
 
@@ -335,7 +345,7 @@ def write(writes: Writes) -> None:
     if writes.new_attempts:
         params.append(
             _array([
-                {"owner": a.invocation.invocation_id, **_record(a, ATTEMPT_FIELDS)}
+                {"owner": a.owner, **_record(a, ATTEMPT_FIELDS)}
                 for a in writes.new_attempts
             ])
         )  # fmt: skip

@@ -15,6 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from ledger import acc, policy, services, store
+from ledger.api import inputs
 from ledger.api import serializers as s
 from ledger.api.errors import error_body, exception_handler
 from ledger.capabilities import Registered, capability_register
@@ -48,21 +49,13 @@ def runtime_of(request: Request) -> Runtime:
     return runtime
 
 
-# One instance per input shape, shared by all requests: `run_validation` keeps no
-# state on the serializer, and building a serializer's fields anew for every
-# request would cost more than the rest of the request.
-INTENT = s.IntentSerializer()
-ATTEMPT = s.AttemptSerializer()
-OUTCOME = s.OutcomeSerializer()
-
-
 def written(applied: Applied) -> Response:
     return Response(applied.state, status=201 if applied.created else 200)
 
 
 def valid_path_id(value: str) -> str:
     """A path id that could never have been stored is simply not found."""
-    if len(value) > s.IDENTIFIER_LENGTH or s.IDENTIFIER_PATTERN.match(value) is None:
+    if len(value) > inputs.IDENTIFIER_LENGTH or inputs.IDENTIFIER_PATTERN.match(value) is None:
         raise NotFound("no such invocation")
     return value
 
@@ -76,26 +69,24 @@ WRITE_RESPONSES = {
 class IntentView(APIView):
     @extend_schema(
         operation_id="record_intent",
-        request=s.IntentSerializer,
+        request={"application/json": inputs.INTENT_SCHEMA},
         responses={**WRITE_RESPONSES, **errors(400, 401, 409, 413, 422, 429, 503)},
         summary="Record the write-ahead intent (and, with attempt_id, admit the first attempt)",
     )
     def post(self, request: Request) -> Response:
-        intent = INTENT.to_input(INTENT.run_validation(request.data))
+        intent = inputs.intent(request.data)
         return written(services.record_intent(runtime=runtime_of(request), intent=intent))
 
 
 class AttemptView(APIView):
     @extend_schema(
         operation_id="admit_attempt",
-        request=s.AttemptSerializer,
+        request={"application/json": inputs.ATTEMPT_SCHEMA},
         responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 429, 503)},
         summary="Ask admission for a new transport attempt",
     )
     def post(self, request: Request, invocation_id: str) -> Response:
-        attempt = ATTEMPT.to_input(
-            ATTEMPT.run_validation(request.data), valid_path_id(invocation_id)
-        )
+        attempt = inputs.attempt(request.data, valid_path_id(invocation_id))
         return written(
             services.admit_attempt(
                 runtime=runtime_of(request),
@@ -108,15 +99,13 @@ class AttemptView(APIView):
 class OutcomeView(APIView):
     @extend_schema(
         operation_id="record_outcome",
-        request=s.OutcomeSerializer,
+        request={"application/json": inputs.OUTCOME_SCHEMA},
         responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 429, 503)},
         summary="Report an attempt's outcome",
     )
     def post(self, request: Request, invocation_id: str, attempt_id: str) -> Response:
-        outcome = OUTCOME.to_input(
-            OUTCOME.run_validation(request.data),
-            valid_path_id(invocation_id),
-            valid_path_id(attempt_id),
+        outcome = inputs.outcome(
+            request.data, valid_path_id(invocation_id), valid_path_id(attempt_id)
         )
         return written(services.record_outcome(runtime=runtime_of(request), outcome=outcome))
 
@@ -229,31 +218,12 @@ class InvocationListView(APIView):
         return Response({"results": [services.typed_state(row) for row in page], "next": next_url})
 
 
-BATCH_ITEMS: dict[
-    str, s.IntentItemSerializer | s.AttemptItemSerializer | s.OutcomeItemSerializer
-] = {
-    "intent": s.IntentItemSerializer(),
-    "attempt": s.AttemptItemSerializer(),
-    "outcome": s.OutcomeItemSerializer(),
-}
-
-
-def batch_item(raw: Any) -> services.EvidenceInput:
-    if not isinstance(raw, dict):
-        raise ValidationError({"non_field_errors": ["Each item must be a JSON object."]})
-    kind = raw.get("type")
-    serializer = BATCH_ITEMS.get(kind) if isinstance(kind, str) else None
-    if serializer is None:
-        raise ValidationError({"type": ["Must be one of: intent, attempt, outcome."]})
-    return serializer.item_input(serializer.run_validation(raw))
-
-
 class EvidenceView(APIView):
     max_body_bytes = settings.LEDGER_MAX_BATCH_BODY_BYTES
 
     @extend_schema(
         operation_id="record_evidence_batch",
-        request={"application/json": {"type": "array", "items": {"type": "object"}}},
+        request={"application/json": inputs.BATCH_SCHEMA},
         responses={207: s.BatchResponseSerializer, **errors(400, 401, 413, 429, 503)},
         summary="Apply up to 1,000 intents, attempts and outcomes in order",
         description=(
@@ -274,7 +244,7 @@ class EvidenceView(APIView):
         valid: list[services.EvidenceInput] = []
         for raw in items:
             try:
-                valid.append(batch_item(raw))
+                valid.append(inputs.item(raw))
                 results.append(None)
             except ValidationError as exc:
                 results.append((400, validation_body(exc)))

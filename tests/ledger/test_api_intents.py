@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
 from ledger import chain
@@ -35,6 +37,15 @@ def test_it_records_an_intent_and_admits_the_first_attempt(api: Api, refund: Cap
 def test_it_records_an_intent_without_attempt_as_recorded(api: Api, refund: Capability) -> None:
     status, body = api.intent()
     assert (status, body["status"], body["next_action"]) == (201, "recorded", "dispatch")
+
+
+def test_the_request_time_keeps_its_offset(api: Api, refund: Capability) -> None:
+    status, _ = api.intent(requested_at="2026-12-02T10:00:00.250+01:00")
+    assert status == 201
+    invocation = Invocation.objects.get()
+    assert invocation.requested_at == dt.datetime(2026, 12, 2, 9, 0, 0, 250000, tzinfo=dt.UTC)
+    recorded = invocation.events.get(kind="intent_recorded")
+    assert recorded.data["requested_at"] == "2026-12-02T10:00:00.250000+01:00"
 
 
 def test_a_replayed_intent_returns_the_same_body_and_writes_nothing(
@@ -201,6 +212,15 @@ BAD_BODIES = [
         "idempotency_key",
     ),
     ("too long id", intent_body(invocation_id="i" * 129), "validation_failed", "invocation_id"),
+    # Python's `$` alone would let a final newline through.
+    ("final newline", intent_body(invocation_id="inv-1\n"), "validation_failed", "invocation_id"),
+    (
+        "time without offset",
+        intent_body(requested_at="2026-12-02T10:00:00"),
+        "validation_failed",
+        "requested_at",
+    ),
+    ("approval not an object", intent_body(approval=[1]), "validation_failed", "approval"),
     (
         "huge integer",
         intent_body(arguments={"amount": 2**64}),

@@ -15,6 +15,7 @@ import schemathesis
 from django.core import signals
 from django.core.cache import cache
 from django.db import close_old_connections
+from drf_spectacular.validation import validate_schema
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -85,6 +86,16 @@ def test_the_schema_documents_every_endpoint_and_error(client: Any) -> None:
     }
     intent = paths["/api/v1/intents"]["post"]["responses"]
     assert {"200", "201", "400", "401", "409", "413", "422", "429", "503"} <= set(intent)
+
+
+def test_the_schema_is_valid_openapi(client: Any) -> None:
+    document = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
+    validate_schema(document)  # raises on the first violation
+    intent = document["paths"]["/api/v1/intents"]["post"]["requestBody"]
+    assert intent["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/Intent"
+    }
+    assert "invocation_id" in document["components"]["schemas"]["Intent"]["required"]
 
 
 def test_the_interactive_docs_are_served_without_a_cdn(client: Any) -> None:
