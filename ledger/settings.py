@@ -127,6 +127,9 @@ def database_from_url(url: str) -> dict[str, object]:
     options: dict[str, object] = {
         "server_side_binding": True,
         "prepare_threshold": int(threshold) if threshold else None,
+        # JIT pays off for long analytic queries; the ledger's are short, and on a
+        # 1,000-item batch's read it spent 22 ms compiling a 30 ms query.
+        "options": "-c jit=off",
     }
     if env_bool("DATABASE_POOL", True):
         options["pool"] = {

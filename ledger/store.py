@@ -92,8 +92,10 @@ def write_sql(new_invocations: bool, updates: bool, new_attempts: bool, new_outc
 
     Each request shape (an intent, an intent with its first attempt, an attempt, an
     outcome, a batch) gets its own text, so psycopg prepares each once per
-    connection and PostgreSQL plans it once. Parameter n is the JSON array of rows
-    for the n-th part; the check at the end counts that each part wrote all of them.
+    connection and PostgreSQL plans it once. Parameter n of k is the JSON array of
+    rows for the n-th part and parameter k + n their number; the check at the end
+    counts that each part wrote all of them. (Counting with jsonb_array_length would
+    parse each array a second time: a tenth of a 1,000-item batch's write.)
     """
     parts: list[str] = []
     written: list[tuple[str, str]] = []  # (CTE, its rows' placeholder)
@@ -161,8 +163,8 @@ new_event AS (
   RETURNING 1
 )""")
     checks = " AND ".join(
-        f"(SELECT count(*) FROM {cte}) = jsonb_array_length({placeholder}::jsonb)"
-        for cte, placeholder in written
+        f"(SELECT count(*) FROM {cte}) = ${len(written) + n}::integer"
+        for n, (cte, _) in enumerate(written, start=1)
     )
     return f"WITH {','.join(parts)}\nSELECT ledger_assert_written({checks})"
 
@@ -332,34 +334,24 @@ def write(writes: Writes) -> None:
         bool(writes.new_attempts),
         bool(writes.new_outcomes),
     )
-    params: list[str] = []
+    rows: list[list[dict[str, Any]]] = []
     if writes.new_invocations:
-        params.append(_array([_record(row, INVOCATION_FIELDS) for row in writes.new_invocations]))
+        rows.append([_record(row, INVOCATION_FIELDS) for row in writes.new_invocations])
     if writes.updated:
-        params.append(
-            _array([
-                {"id": row.pk, "expected": expected, **_record(row, PROJECTION_FIELDS)}
-                for row, expected in writes.updated
-            ])
-        )  # fmt: skip
+        rows.append([
+            {"id": row.pk, "expected": expected, **_record(row, PROJECTION_FIELDS)}
+            for row, expected in writes.updated
+        ])  # fmt: skip
     if writes.new_attempts:
-        params.append(
-            _array([
-                {"owner": a.owner, **_record(a, ATTEMPT_FIELDS)}
-                for a in writes.new_attempts
-            ])
-        )  # fmt: skip
+        rows.append([{"owner": a.owner, **_record(a, ATTEMPT_FIELDS)} for a in writes.new_attempts])
     if writes.new_outcomes:
-        params.append(
-            _array([
-                {"owner": owner, "attempt_key": attempt_id, "attempt_pk": attempt_pk,
-                 **_record(o, OUTCOME_FIELDS)}
-                for o, owner, attempt_id, attempt_pk in writes.new_outcomes
-            ])
-        )  # fmt: skip
-    params.append(
-        _array([{"owner": owner, **_record(e, EVENT_FIELDS)} for e, owner in writes.new_events])
-    )
+        rows.append([
+            {"owner": owner, "attempt_key": attempt_id, "attempt_pk": attempt_pk,
+             **_record(o, OUTCOME_FIELDS)}
+            for o, owner, attempt_id, attempt_pk in writes.new_outcomes
+        ])  # fmt: skip
+    rows.append([{"owner": owner, **_record(e, EVENT_FIELDS)} for e, owner in writes.new_events])
+    params = [*map(_array, rows), *map(len, rows)]
     # Inside a caller's transaction a savepoint contains the failure; on its own the
     # statement is its own transaction (no BEGIN/COMMIT round trips).
     scope = transaction.atomic() if connection.in_atomic_block else nullcontext()
