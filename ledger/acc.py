@@ -9,6 +9,7 @@ module accepts.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -227,18 +228,31 @@ class Skipped:
     reason: str
 
 
+class _JSONCompatibleLoader(yaml.SafeLoader):
+    """YAML read as the JSON it stands for: an unquoted 2026-07-01 stays a string.
+
+    OpenAPI documents are JSON in YAML's clothing, and what is imported is stored as
+    JSON; the safe loader would turn such a value into a `date`, which cannot be.
+    """
+
+
+_JSONCompatibleLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
 def load_document(text: str | bytes) -> dict[str, Any]:
     """An OpenAPI 3 document from YAML or JSON text, or NotAnOpenAPIDocument."""
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_JSONCompatibleLoader)  # noqa: S506 (a safe loader)
     except yaml.YAMLError as exc:
         raise NotAnOpenAPIDocument(f"not YAML or JSON: {exc}") from None
     if not isinstance(document, dict):
         raise NotAnOpenAPIDocument("the document is not a mapping")
-    nul = _nul_path(document, "$")
-    if nul is not None:
-        # YAML's "\0" escape can write it; PostgreSQL's jsonb cannot store it.
-        raise NotAnOpenAPIDocument(f"{nul}: U+0000 (NUL) is not allowed")
+    problem = _not_storable(document, "$")
+    if problem is not None:
+        raise NotAnOpenAPIDocument(problem)
     version = document.get("openapi")
     if not isinstance(version, str) or not version.startswith("3."):
         raise NotAnOpenAPIDocument("not an OpenAPI 3 document (no 'openapi: 3.x' field)")
@@ -247,23 +261,35 @@ def load_document(text: str | bytes) -> dict[str, Any]:
     return document
 
 
-def _nul_path(value: Any, path: str) -> str | None:
-    """The path of the first string or key holding U+0000, or None."""
+def _not_storable(value: Any, path: str) -> str | None:
+    """What is wrong with the first value PostgreSQL's jsonb could not store, or None.
+
+    YAML can still say what JSON cannot: U+0000 with its "\\0" escape, binary data,
+    sets, timestamps with an explicit tag, .nan and .inf, keys that are lists.
+    """
     if isinstance(value, str):
-        return path if "\x00" in value else None
+        return f"{path}: U+0000 (NUL) is not allowed" if "\x00" in value else None
     if isinstance(value, dict):
         for key, item in value.items():
+            if not isinstance(key, str | int | float | bool) and key is not None:
+                return f"{path}: a key that is a {type(key).__name__} is not JSON"
             if isinstance(key, str) and "\x00" in key:
-                return path
-            found = _nul_path(item, f"{path}.{key}")
+                return f"{path}: U+0000 (NUL) is not allowed in a key"
+            found = _not_storable(item, f"{path}.{key}")
             if found is not None:
                 return found
+        return None
     if isinstance(value, list):
         for i, item in enumerate(value):
-            found = _nul_path(item, f"{path}[{i}]")
+            found = _not_storable(item, f"{path}[{i}]")
             if found is not None:
                 return found
-    return None
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path}: {value} is not a JSON number"
+    if value is None or isinstance(value, bool | int | float):
+        return None
+    return f"{path}: a {type(value).__name__} is not JSON"
 
 
 def declarations_in(document: Mapping[str, Any]) -> list[Found | Skipped]:

@@ -89,6 +89,44 @@ def test_a_nul_written_with_a_yaml_escape_is_refused_by_path(db: None, tmp_path:
     assert not Capability.objects.exists()
 
 
+def test_an_unquoted_date_is_imported_as_the_text_json_would_hold(db: None, tmp_path: Path) -> None:
+    document = (SHARED_ACC / "openapi-basic.yaml").read_text()
+    assert "            - id: SO202607001\n" in document
+    path = tmp_path / "dated.yaml"
+    path.write_text(
+        document.replace(
+            "            - id: SO202607001\n",
+            "            - id: SO202607001\n              placed_on: 2026-07-01\n",
+            1,
+        )
+    )
+    import_file(path)
+    declaration = Capability.objects.get(scope="order.read").declaration
+    assert declaration["guidance"]["examples"][0]["placed_on"] == "2026-07-01"
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("!!binary aGVsbG8=", "a bytes is not JSON"),
+        ("!!set {a: null}", "a set is not JSON"),
+        (".nan", "nan is not a JSON number"),
+        ("!!timestamp 2026-07-01", "a date is not JSON"),
+    ],
+)
+def test_yaml_values_json_cannot_hold_are_refused_by_path(
+    db: None, tmp_path: Path, value: str, problem: str
+) -> None:
+    document = (SHARED_ACC / "openapi-basic.yaml").read_text()
+    path = tmp_path / "odd.yaml"
+    path.write_text(document.replace("level: low", f"level: low\n          note: {value}", 1))
+    with pytest.raises(acc.NotAnOpenAPIDocument, match=rf"\.risk\.note: {problem}"):
+        acc.load_document(path.read_bytes())
+    with pytest.raises(CommandError, match="nothing was imported"):
+        import_file(path)
+    assert not Capability.objects.exists()
+
+
 def test_a_changed_declaration_is_a_new_version_and_invocations_keep_theirs(
     api: Api,
 ) -> None:
