@@ -80,6 +80,12 @@ def test_it_converts_python_values_before_canonicalizing() -> None:
     )
 
 
+def test_integers_stay_numbers_up_to_2_to_the_53_and_become_strings_past_it() -> None:
+    edge = chain.MAX_SAFE_INTEGER
+    assert chain.canonical([edge, -edge]) == f"[{edge},{-edge}]".encode()
+    assert chain.canonical([edge + 1, -edge - 1]) == f'["{edge + 1}","{-edge - 1}"]'.encode()
+
+
 @pytest.mark.parametrize(
     "bad", [float("nan"), float("inf"), decimal.Decimal("NaN"), {1: "x"}, object(), "\ud800"]
 )
