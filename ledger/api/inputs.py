@@ -47,6 +47,9 @@ PATTERN_HINTS = {
     TRACEPARENT_REGEX: "Not a W3C traceparent.",
 }
 
+# msgspec prints a pattern as Python's repr would, backslashes doubled.
+_PRINTED_PATTERN_HINTS = {repr(regex)[1:-1]: hint for regex, hint in PATTERN_HINTS.items()}
+
 Identifier = Annotated[str, Meta(max_length=IDENTIFIER_LENGTH, pattern=IDENTIFIER_REGEX)]
 Scope = Annotated[str, Meta(max_length=160, pattern=SCOPE_REGEX)]
 Subject = Annotated[str, Meta(max_length=256, pattern=PRINTABLE_REGEX)]
@@ -114,19 +117,26 @@ Item = IntentItem | AttemptItem | OutcomeItem
 
 
 def _refusal(error: msgspec.ValidationError) -> ValidationError:
-    """msgspec's message as `{field: [message]}`, the field being the top-level one."""
+    """msgspec's message as `{field: [message]}`, keyed by the top-level field.
+
+    msgspec names the first problem and where it is ("... - at `$.error.code`");
+    a place below the top-level field stays in the message.
+    """
     message = str(error)
-    if match := re.fullmatch(r"Object contains unknown field `(.*)`(?: - at `\$`)?", message):
-        return ValidationError({match[1]: ["Unknown field."]})
-    if match := re.fullmatch(r"Object missing required field `(.*)`(?: - at `\$`)?", message):
-        return ValidationError({match[1]: ["This field is required."]})
-    if match := re.search(r"matching regex '(.*)'", message):
-        hint = PATTERN_HINTS.get(match[1])
-        if hint:
-            message = message.replace(match[0], f"({hint})")
-    if match := re.search(r" - at `\$\.([^.\[`]+)[^`]*`$", message):
-        return ValidationError({match[1]: [message]})
-    return ValidationError({"non_field_errors": [message]})
+    at = re.search(r" - at `\$([^`]*)`$", message)
+    path = at[1] if at else ""  # "" for the body itself, else e.g. ".error.code"
+    if not path:
+        named = re.match(r"Object (contains unknown|missing required) field `([^`]*)`", message)
+        if named:
+            text = "Unknown field." if named[1] == "contains unknown" else "This field is required."
+            return ValidationError({named[2]: [text]})
+        return ValidationError({"non_field_errors": [message]})
+    top = re.match(r"\.([^.\[]+)", path)
+    if (pattern := re.search(r"matching regex '(.*)'", message)) and (
+        hint := _PRINTED_PATTERN_HINTS.get(pattern[1])
+    ):
+        message = hint if top and path == top[0] else f"{hint} (at `${path}`)"
+    return ValidationError({top[1] if top else "non_field_errors": [message]})
 
 
 def _convert[T](data: Any, type_: type[T]) -> T:

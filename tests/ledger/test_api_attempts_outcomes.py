@@ -130,19 +130,39 @@ def test_an_outcome_for_an_unknown_attempt_is_not_found(in_flight: Api) -> None:
 
 
 @pytest.mark.parametrize(
-    "body",
+    ("body", "details"),
     [
-        {"kind": "exploded"},
-        {"kind": "succeeded", "retryable": True},
-        {"kind": "succeeded", "retryable": "yes"},
-        {"kind": "succeeded", "error": {"code": 5}},
-        {},
+        ({"kind": "exploded"}, {"kind": ["Invalid enum value 'exploded' - at `$.kind`"]}),
+        (
+            {"kind": "succeeded", "retryable": True},
+            {"retryable": ["Only a business_failed outcome carries retryable."]},
+        ),
+        (
+            {"kind": "succeeded", "retryable": "yes"},
+            {"retryable": ["Expected `bool`, got `str` - at `$.retryable`"]},
+        ),
+        (
+            {"kind": "succeeded", "error": {"code": 5}},
+            {"error": ["Expected `str`, got `int` - at `$.error.code`"]},
+        ),
+        (
+            {"kind": "succeeded", "error": {"code": "E1\n"}},
+            {"error": ["Control characters are not allowed. (at `$.error.code`)"]},
+        ),
+        (
+            {"kind": "succeeded", "error": {"code": "E1", "stack": "..."}},
+            {"error": ["Object contains unknown field `stack` - at `$.error`"]},
+        ),
+        ({}, {"kind": ["This field is required."]}),
     ],
 )
-def test_a_bad_outcome_is_refused_and_changes_nothing(in_flight: Api, body: dict) -> None:
+def test_a_bad_outcome_is_refused_by_field_and_changes_nothing(
+    in_flight: Api, body: dict, details: dict
+) -> None:
     events = Event.objects.count()
     status, answer = in_flight.outcome("inv-1", "a1", **body)
     assert (status, answer["error"]["type"]) == (400, "validation_failed")
+    assert answer["error"]["details"] == details
     assert Event.objects.count() == events
     assert Invocation.objects.get().status == "in_flight"
 

@@ -253,6 +253,16 @@ def test_bad_input_gets_a_typed_error_and_writes_nothing(
     assert counts() == (0, 0, 0)
 
 
+def test_a_refused_identifier_is_told_what_to_send(api: Api, refund: Capability) -> None:
+    status, answer = api.post("/api/v1/intents", intent_body(invocation_id="inv 1"))
+    assert status == 400
+    assert answer["error"]["details"] == {
+        "invocation_id": [
+            "Use letters, digits and . _ : @ / + = - only, starting with a letter or digit."
+        ]
+    }
+
+
 def test_an_oversized_body_is_refused_with_413(api: Api, settings: object) -> None:
     body = intent_body(arguments={"blob": "x" * (256 * 1024)})
     status, answer = api.post("/api/v1/intents", body)
