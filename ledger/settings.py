@@ -176,6 +176,19 @@ STORAGES = {
 # Without collectstatic (tests, a fresh checkout) serve from the finders.
 WHITENOISE_USE_FINDERS = True
 
+# `default` is shared by every web and worker process (a table in the ledger's own
+# database, made by migration 0015), so a login lockout holds whichever process
+# answers. The per-token API throttle counts in `local`, each process's memory: a
+# shared counter would cost the hot path two more statements per request, so
+# LEDGER_THROTTLE_RATE applies per web process.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+        "LOCATION": "ledger_cache",
+    },
+    "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+}
+
 # The ingestion API answers only to runtime tokens: no sessions, no browsable HTML.
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["ledger.api.authentication.RuntimeTokenAuthentication"],

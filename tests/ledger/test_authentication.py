@@ -88,11 +88,9 @@ def test_create_runtime_refuses_a_duplicate_name_without_add_token(db: None) -> 
 def test_a_throttled_token_gets_429_with_retry_after(
     api: Api, refund: Capability, settings: object
 ) -> None:
-    from django.core.cache import cache
-
     from ledger.api.throttling import RuntimeTokenThrottle
 
-    cache.clear()
+    RuntimeTokenThrottle.cache.clear()
     original = RuntimeTokenThrottle.THROTTLE_RATES
     RuntimeTokenThrottle.THROTTLE_RATES = {"runtime": "2/min"}
     try:
@@ -101,7 +99,7 @@ def test_a_throttled_token_gets_429_with_retry_after(
         response = api.client.get("/api/v1/invocations", headers=api.headers())
     finally:
         RuntimeTokenThrottle.THROTTLE_RATES = original
-        cache.clear()
+        RuntimeTokenThrottle.cache.clear()
     assert response.status_code == 429
     assert response.json()["error"]["type"] == "rate_limited"
     assert int(response["Retry-After"]) > 0

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import schemathesis
 from django.core import signals
-from django.core.cache import cache
 from django.db import close_old_connections
 from drf_spectacular.validation import validate_schema
 from hypothesis import HealthCheck, settings
@@ -24,6 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from ledger.api.throttling import RuntimeTokenThrottle
 from ledger.models import Capability, Runtime, RuntimeToken
 from ledger.wsgi import application
 
@@ -60,7 +60,7 @@ def bearer(db: None) -> dict[str, str]:
 def test_every_response_matches_the_schema(
     case: Any, bearer: dict[str, str], in_test_transaction: None
 ) -> None:
-    cache.clear()  # the per-token throttle is not what this test is about
+    RuntimeTokenThrottle.cache.clear()  # the per-token throttle is not what this is about
     case.call_and_validate(
         headers=bearer,
         checks=[

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import httpx
 import pytest
 from django.contrib.auth.models import Group, User
 from django.db import connection
@@ -198,6 +201,28 @@ def test_login_attempts_are_throttled(db: None, client: Client) -> None:
     response = client.post("/accounts/login/", {"username": "eve", "password": "right"})
     assert response.status_code == 429
     assert "Too many failed attempts" in response.content.decode()
+
+
+def test_a_login_lockout_holds_across_web_processes(web_processes: list[str]) -> None:
+    """Failures counted by one process refuse the next attempt at another."""
+    User.objects.create_user("eve", password="right")
+
+    def log_in(url: str, password: str) -> httpx.Response:
+        with httpx.Client(base_url=url) as browser:
+            page = browser.get("/accounts/login/").text
+            token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page)
+            assert token is not None
+            return browser.post(
+                "/accounts/login/",
+                data={"username": "eve", "password": password, "csrfmiddlewaretoken": token[1]},
+            )
+
+    first, second = web_processes
+    for url in (first, second, first, second, first):
+        assert log_in(url, "wrong").status_code == 200  # the form again, with its error
+    refused = log_in(second, "right")
+    assert refused.status_code == 429
+    assert "Too many failed attempts" in refused.text
 
 
 def test_pages_carry_a_csp_with_a_nonce_and_no_cdn(flagged: str, operator: Client) -> None:
