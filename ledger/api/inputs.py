@@ -116,34 +116,53 @@ class OutcomeItem(Outcome, tag_field="type", tag="outcome", kw_only=True):
 Item = IntentItem | AttemptItem | OutcomeItem
 
 
-def _refusal(error: msgspec.ValidationError) -> ValidationError:
-    """msgspec's message as `{field: [message]}`, keyed by the top-level field.
+def _refusal(data: Any, body: type[Body], error: msgspec.ValidationError) -> ValidationError:
+    """Every field at fault, as `{field: [message]}`.
 
-    msgspec names the first problem and where it is ("... - at `$.error.code`");
-    a place below the top-level field stays in the message.
+    msgspec stops at the first problem; on that (rare) path each field is checked
+    again on its own, so that one answer names every unknown, missing or invalid
+    field, as DESIGN's error table asks.
     """
-    message = str(error)
+    if not isinstance(data, dict):
+        return ValidationError({"non_field_errors": [str(error)]})
+    fields = msgspec.structs.fields(body)
+    known = {field.encode_name for field in fields}
+    tag_field = body.__struct_config__.tag_field
+    if tag_field:
+        known.add(tag_field)
+    problems: dict[str, list[str]] = {
+        name: ["Unknown field."] for name in sorted(data.keys() - known)
+    }
+    for field in fields:
+        if field.encode_name not in data:
+            if field.required:
+                problems[field.encode_name] = ["This field is required."]
+            continue
+        try:
+            msgspec.convert(data[field.encode_name], field.type)
+        except msgspec.ValidationError as invalid:
+            problems[field.encode_name] = [_message(str(invalid), field.encode_name)]
+    return ValidationError(problems or {"non_field_errors": [str(error)]})
+
+
+def _message(message: str, field: str) -> str:
+    """msgspec's message about one field's value, placed at `$.field…`."""
     at = re.search(r" - at `\$([^`]*)`$", message)
-    path = at[1] if at else ""  # "" for the body itself, else e.g. ".error.code"
-    if not path:
-        named = re.match(r"Object (contains unknown|missing required) field `([^`]*)`", message)
-        if named:
-            text = "Unknown field." if named[1] == "contains unknown" else "This field is required."
-            return ValidationError({named[2]: [text]})
-        return ValidationError({"non_field_errors": [message]})
-    top = re.match(r"\.([^.\[]+)", path)
+    if at:
+        message = message[: at.start()]
+    path = f"$.{field}{at[1] if at else ''}"
     if (pattern := re.search(r"matching regex '(.*)'", message)) and (
         hint := _PRINTED_PATTERN_HINTS.get(pattern[1])
     ):
-        message = hint if top and path == top[0] else f"{hint} (at `${path}`)"
-    return ValidationError({top[1] if top else "non_field_errors": [message]})
+        return hint if path == f"$.{field}" else f"{hint} (at `{path}`)"
+    return f"{message} - at `{path}`"
 
 
-def _convert[T](data: Any, type_: type[T]) -> T:
+def _convert[T: Body](data: Any, body: type[T]) -> T:
     try:
-        return msgspec.convert(data, type_)
+        return msgspec.convert(data, body)
     except msgspec.ValidationError as error:
-        raise _refusal(error) from None
+        raise _refusal(data, body, error) from None
 
 
 def check_json_value(value: Any) -> None:
@@ -256,11 +275,21 @@ def _outcome(body: Outcome, invocation_id: str, attempt_id: str) -> OutcomeInput
     )
 
 
+ITEMS: dict[str, type[IntentItem | AttemptItem | OutcomeItem]] = {
+    "intent": IntentItem,
+    "attempt": AttemptItem,
+    "outcome": OutcomeItem,
+}
+
+
 def item(data: Any) -> EvidenceInput:
     """One batch item: an intent, attempt or outcome, by its `type`."""
-    if isinstance(data, dict) and data.get("type") not in ("intent", "attempt", "outcome"):
+    if not isinstance(data, dict):
+        raise ValidationError({"non_field_errors": ["Each item must be a JSON object."]})
+    kind = data.get("type")
+    if not isinstance(kind, str) or kind not in ITEMS:
         raise ValidationError({"type": ["Must be one of: intent, attempt, outcome."]})
-    body: Item = _convert(data, Item)  # type: ignore[arg-type]  # a union, not a class
+    body = _convert(data, ITEMS[kind])
     if isinstance(body, IntentItem):
         return _intent(body)
     if isinstance(body, AttemptItem):

@@ -263,6 +263,23 @@ def test_a_refused_identifier_is_told_what_to_send(api: Api, refund: Capability)
     }
 
 
+def test_one_refusal_names_every_field_at_fault(api: Api, refund: Capability) -> None:
+    body = {**intent_body(invocation_id="inv 1", subject=7), "colour": "red", "size": 1}
+    del body["task_id"]
+    status, answer = api.post("/api/v1/intents", body)
+    assert status == 400
+    assert answer["error"]["details"] == {
+        "colour": ["Unknown field."],
+        "size": ["Unknown field."],
+        "invocation_id": [
+            "Use letters, digits and . _ : @ / + = - only, starting with a letter or digit."
+        ],
+        "task_id": ["This field is required."],
+        "subject": ["Expected `str`, got `int` - at `$.subject`"],
+    }
+    assert counts() == (0, 0, 0)
+
+
 def test_an_oversized_body_is_refused_with_413(api: Api, settings: object) -> None:
     body = intent_body(arguments={"blob": "x" * (256 * 1024)})
     status, answer = api.post("/api/v1/intents", body)
