@@ -205,6 +205,16 @@ def _json_digest(field: str, value: Any) -> str:
         raise ValidationError({field: [str(error)]}) from None
 
 
+def _in_utc(value: dt.datetime | UnsetType, field: str) -> dt.datetime | None:
+    """The instant in UTC: RFC 3339 allows offsets up to ±23:59, PostgreSQL ±15:59."""
+    if isinstance(value, UnsetType):
+        return None
+    try:
+        return value.astimezone(dt.UTC)
+    except OverflowError:
+        raise ValidationError({field: ["Out of range once moved to UTC."]}) from None
+
+
 def _optional[T](value: T | UnsetType) -> T | None:
     return None if value is UNSET else value  # type: ignore[return-value]
 
@@ -243,7 +253,7 @@ def _intent(body: Intent) -> IntentInput:
         approval=approval,
         traceparent=_optional(body.traceparent) or "",
         attempt_id=_optional(body.attempt_id),
-        requested_at=_optional(body.requested_at),
+        requested_at=_in_utc(body.requested_at, "requested_at"),
     )
 
 
@@ -271,7 +281,7 @@ def _outcome(body: Outcome, invocation_id: str, attempt_id: str) -> OutcomeInput
         result_digest=result_digest,
         error_code=error.code,
         error_message=error.message,
-        completed_at=_optional(body.completed_at),
+        completed_at=_in_utc(body.completed_at, "completed_at"),
     )
 
 

@@ -39,13 +39,28 @@ def test_it_records_an_intent_without_attempt_as_recorded(api: Api, refund: Capa
     assert (status, body["status"], body["next_action"]) == (201, "recorded", "dispatch")
 
 
-def test_the_request_time_keeps_its_offset(api: Api, refund: Capability) -> None:
+def test_the_request_time_is_kept_as_its_instant_in_utc(api: Api, refund: Capability) -> None:
     status, _ = api.intent(requested_at="2026-12-02T10:00:00.250+01:00")
     assert status == 201
     invocation = Invocation.objects.get()
     assert invocation.requested_at == dt.datetime(2026, 12, 2, 9, 0, 0, 250000, tzinfo=dt.UTC)
     recorded = invocation.events.get(kind="intent_recorded")
-    assert recorded.data["requested_at"] == "2026-12-02T10:00:00.250000+01:00"
+    assert recorded.data["requested_at"] == "2026-12-02T09:00:00.250000+00:00"
+
+
+def test_an_offset_postgresql_cannot_hold_is_moved_to_utc(api: Api, refund: Capability) -> None:
+    # RFC 3339 allows -22:48; PostgreSQL refuses offsets past ±15:59 (found by schemathesis).
+    status, _ = api.intent(requested_at="0211-04-15T22:40:22.221568-22:48")
+    assert status == 201
+    stored = Invocation.objects.get().requested_at
+    assert stored == dt.datetime(211, 4, 16, 21, 28, 22, 221568, tzinfo=dt.UTC)
+
+
+def test_a_time_that_leaves_the_calendar_in_utc_is_refused(api: Api, refund: Capability) -> None:
+    status, answer = api.intent(requested_at="0001-01-01T00:00:00+05:00")
+    assert (status, answer["error"]["type"]) == (400, "validation_failed")
+    assert answer["error"]["details"] == {"requested_at": ["Out of range once moved to UTC."]}
+    assert counts() == (0, 0, 0)
 
 
 def test_a_replayed_intent_returns_the_same_body_and_writes_nothing(
