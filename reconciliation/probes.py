@@ -22,8 +22,11 @@ redirects (never followed) — is inconclusive.
 
 from __future__ import annotations
 
+import http.cookiejar
 import importlib
+import os
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -118,6 +121,27 @@ def _rule_matches(rule: Mapping[str, Any] | None, response: httpx.Response) -> b
     return "equals" not in rule or value == rule["equals"]
 
 
+_local = threading.local()
+
+
+def _http_client() -> httpx.Client:
+    """This thread's HTTP client for probes.
+
+    Building a client loads the CA bundle, which took ~60 ms here, far longer than a
+    probe; each worker thread keeps one (a forked child builds its own rather than
+    share its parent's connections). It keeps no cookies: one probe's answer must not
+    change what the next one asks.
+    """
+    client: httpx.Client | None = getattr(_local, "client", None)
+    if client is None or _local.pid != os.getpid():
+        no_cookies = http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
+        client = httpx.Client(
+            follow_redirects=False, cookies=http.cookiejar.CookieJar(policy=no_cookies)
+        )
+        _local.client, _local.pid = client, os.getpid()
+    return client
+
+
 def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
     url = _fill(config["url"], invocation)
     if urlsplit(url).scheme not in ("http", "https"):
@@ -130,11 +154,8 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
         pool=5.0,
     )
     try:
-        response = httpx.get(
-            url,
-            headers=_secret_headers(config.get("headers", {})),
-            timeout=timeout,
-            follow_redirects=False,
+        response = _http_client().get(
+            url, headers=_secret_headers(config.get("headers", {})), timeout=timeout
         )
     except httpx.HTTPError as exc:
         return ProbeResult(Finding.INCONCLUSIVE, detail=f"{type(exc).__name__}", summary=summary)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -113,6 +115,34 @@ def test_probe_secrets_fill_headers_and_are_never_recorded(
     invocation = Invocation.objects.get()
     assert invocation.status == "retry_allowed"
     assert "sk_live_hush" not in str(list(invocation.events.values_list("data", flat=True)))
+
+
+def test_a_probe_sends_no_cookie_an_earlier_answer_set(api: Api, refunds: Capability) -> None:
+    """Probes share a client per thread; what one answer sets must not reach the next."""
+    cookies_sent: list[str | None] = []
+
+    class SetsACookie(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            cookies_sent.append(self.headers.get("Cookie"))
+            self.send_response(404)
+            self.send_header("Set-Cookie", "session=from-the-first-answer; Path=/")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SetsACookie)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    invocation = flagged(api)
+    config = {**refunds.probe, "url": f"http://127.0.0.1:{server.server_address[1]}/refunds"}
+    try:
+        findings = [probes.run(config, invocation) for _ in range(3)]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [result and result.finding for result in findings] == [probes.Finding.ABSENT] * 3
+    assert cookies_sent == [None, None, None]
 
 
 def test_no_probe_escalates_at_once(api: Api, refund: Capability) -> None:
