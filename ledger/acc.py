@@ -261,20 +261,31 @@ def load_document(text: str | bytes) -> dict[str, Any]:
     return document
 
 
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _not_storable(value: Any, path: str) -> str | None:
     """What is wrong with the first value PostgreSQL's jsonb could not store, or None.
 
-    YAML can still say what JSON cannot: U+0000 with its "\\0" escape, binary data,
-    sets, timestamps with an explicit tag, .nan and .inf, keys that are lists.
+    YAML can still say what jsonb cannot hold: U+0000 with its "\\0" escape, a lone
+    surrogate with "\\ud800", binary data, sets, timestamps with an explicit tag, .nan
+    and .inf, keys that are lists.
     """
     if isinstance(value, str):
-        return f"{path}: U+0000 (NUL) is not allowed" if "\x00" in value else None
+        if "\x00" in value:
+            return f"{path}: U+0000 (NUL) is not allowed"
+        return None if value.isascii() or _is_unicode(value) else f"{path}: a lone surrogate"
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str | int | float | bool) and key is not None:
                 return f"{path}: a key that is a {type(key).__name__} is not JSON"
-            if isinstance(key, str) and "\x00" in key:
-                return f"{path}: U+0000 (NUL) is not allowed in a key"
+            if isinstance(key, str) and ("\x00" in key or not _is_unicode(key)):
+                return f"{path}: a key holds U+0000 (NUL) or a lone surrogate"
             found = _not_storable(item, f"{path}.{key}")
             if found is not None:
                 return found

@@ -205,6 +205,20 @@ def nest(depth: int) -> object:
 BAD_BODIES = [
     ("not json", "{", "malformed_request", None),
     ("nan", '{"invocation_id": "x", "arguments": NaN}', "malformed_request", None),
+    (
+        "number past a double",
+        '{"invocation_id": "x", "arguments": 1e400}',
+        "malformed_request",
+        None,
+    ),
+    # JSON's grammar allows a lone surrogate; Unicode and PostgreSQL do not (it was a 500).
+    ("lone surrogate", '{"invocation_id": "x", "subject": "\\ud800"}', "malformed_request", None),
+    (
+        "lone low surrogate",
+        '{"invocation_id": "x", "subject": "\\udfff"}',
+        "malformed_request",
+        None,
+    ),
     ("array", "[]", "validation_failed", "non_field_errors"),
     ("unknown field", {**intent_body(), "colour": "red"}, "validation_failed", "colour"),
     (
@@ -293,6 +307,14 @@ def test_one_refusal_names_every_field_at_fault(api: Api, refund: Capability) ->
         "subject": ["Expected `str`, got `int` - at `$.subject`"],
     }
     assert counts() == (0, 0, 0)
+
+
+def test_a_lone_surrogate_is_named_as_such(api: Api, refund: Capability) -> None:
+    raw = '{"invocation_id": "inv-1", "subject": "\\ud800"}'
+    assert "\\ud800" in raw  # the six characters of the escape, not a code point
+    status, answer = api.post("/api/v1/intents", raw)
+    assert (status, answer["error"]["type"]) == (400, "malformed_request")
+    assert "lone UTF-16 surrogate" in answer["error"]["message"]
 
 
 def test_an_oversized_body_is_refused_with_413(api: Api, settings: object) -> None:

@@ -112,6 +112,7 @@ def test_an_unquoted_date_is_imported_as_the_text_json_would_hold(db: None, tmp_
         ("!!set {a: null}", "a set is not JSON"),
         (".nan", "nan is not a JSON number"),
         ("!!timestamp 2026-07-01", "a date is not JSON"),
+        ('"x\\ud800"', "a lone surrogate"),
     ],
 )
 def test_yaml_values_json_cannot_hold_are_refused_by_path(
