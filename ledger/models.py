@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,9 @@ from ledger import policy
 
 if TYPE_CHECKING:
     from datetime import datetime
+
+# What RuntimeToken.issue makes: secrets.token_hex(6).
+TOKEN_PREFIX = re.compile(r"[0-9a-f]{12}")
 
 
 class Capability(models.Model):
@@ -148,11 +152,14 @@ class RuntimeToken(models.Model):
 
     @staticmethod
     def split(token: str) -> str | None:
-        """The lookup prefix of a well-formed token, else None."""
+        """The lookup prefix of a well-formed token (12 hex digits), else None.
+
+        Nothing else reaches the query: a NUL in a forged header made a 500 there.
+        """
         parts = token.split("_", 2)
-        if len(parts) != 3 or parts[0] != RuntimeToken.PREFIX or not parts[1] or not parts[2]:
+        if len(parts) != 3 or parts[0] != RuntimeToken.PREFIX or not parts[2]:
             return None
-        return parts[1]
+        return parts[1] if TOKEN_PREFIX.fullmatch(parts[1]) else None
 
     @classmethod
     def active_by_prefix(cls, prefix: str) -> RuntimeToken | None:

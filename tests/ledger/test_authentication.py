@@ -10,7 +10,17 @@ from tests.conftest import Api, intent_body
 
 @pytest.mark.parametrize(
     "header",
-    [None, "Bearer", "Bearer ilr_nope_nope", "Token abc", "Bearer not-a-token", "Bearer ilr__x"],
+    [
+        None,
+        "Bearer",
+        "Bearer ilr_nope_nope",
+        "Token abc",
+        "Bearer not-a-token",
+        "Bearer ilr__x",
+        "Bearer ilr_0123456789ab_",
+        # Never reaches the query (PostgreSQL text cannot hold NUL: it was a 500).
+        "Bearer ilr_01234\x006789ab_secret",
+    ],
 )
 def test_it_refuses_missing_and_unknown_tokens(
     db: None, client: Client, header: str | None
