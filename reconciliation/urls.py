@@ -1,29 +1,51 @@
 from __future__ import annotations
 
-from django.urls import path
+from django.urls import path, register_converter
 
 from reconciliation import views
+
+
+class StoredId:
+    """An invocation id as stored: "/" included, since ids recorded before the API
+    refused it must stay reachable (and `str` could not even link to them), but never
+    NUL, which PostgreSQL cannot compare with: such a path is simply not found."""
+
+    regex = r"[^\x00]+"
+
+    def to_python(self, value: str) -> str:
+        return value
+
+    def to_url(self, value: str) -> str:
+        return value
+
+
+register_converter(StoredId, "stored_id")
 
 app_name = "console"
 urlpatterns = [
     path("", views.queue, name="queue"),
     path("queue/counts", views.queue_counts, name="queue-counts"),
     path("dashboard/", views.dashboard, name="dashboard"),
-    path("invocations/<str:invocation_id>/", views.invocation_page, name="invocation"),
-    path("invocations/<str:invocation_id>/resolve", views.resolve, name="resolve"),
+    path("invocations/<stored_id:invocation_id>/", views.invocation_page, name="invocation"),
+    path("invocations/<stored_id:invocation_id>/resolve", views.resolve, name="resolve"),
     path(
-        "invocations/<str:invocation_id>/approve",
+        "invocations/<stored_id:invocation_id>/approve",
         views.decide,
         {"decision": "approve"},
         name="approve",
     ),
     path(
-        "invocations/<str:invocation_id>/reject",
+        "invocations/<stored_id:invocation_id>/reject",
         views.decide,
         {"decision": "reject"},
         name="reject",
     ),
-    path("invocations/<str:invocation_id>/claim", views.assign, {"take": True}, name="claim"),
-    path("invocations/<str:invocation_id>/release", views.assign, {"take": False}, name="release"),
-    path("invocations/<str:invocation_id>/probe", views.probe_now, name="probe"),
+    path("invocations/<stored_id:invocation_id>/claim", views.assign, {"take": True}, name="claim"),
+    path(
+        "invocations/<stored_id:invocation_id>/release",
+        views.assign,
+        {"take": False},
+        name="release",
+    ),
+    path("invocations/<stored_id:invocation_id>/probe", views.probe_now, name="probe"),
 ]

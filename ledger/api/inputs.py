@@ -28,7 +28,8 @@ from ledger.services import AttemptInput, EvidenceInput, IntentInput, OutcomeInp
 IDENTIFIER_LENGTH = 128
 # In Python `$` also matches before a final newline; `(?!\n)` refuses that, and the
 # patterns stay valid ECMAScript for the OpenAPI schema.
-IDENTIFIER_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._:@/+=-]*(?!\n)$"
+# No "/": ids travel in URL paths (an id holding one could not be sent an outcome).
+IDENTIFIER_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]*(?!\n)$"
 SCOPE_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._:-]*(?!\n)$"
 PRINTABLE_REGEX = r"^[^\x00-\x1f\x7f]*(?!\n)$"
 NO_NUL_REGEX = r"^[^\x00]*$"
@@ -38,7 +39,7 @@ IDENTIFIER_PATTERN = re.compile(IDENTIFIER_REGEX)
 
 # msgspec names the pattern a string missed; people are told what to send instead.
 PATTERN_HINTS = {
-    IDENTIFIER_REGEX: "Use letters, digits and . _ : @ / + = - only, starting with a "
+    IDENTIFIER_REGEX: "Use letters, digits and . _ : @ + = - only, starting with a "
     "letter or digit.",
     SCOPE_REGEX: "An ACC scope: letters, digits and . _ : - only, starting with a letter or digit.",
     PRINTABLE_REGEX: "Control characters are not allowed.",

@@ -203,6 +203,28 @@ def test_login_attempts_are_throttled(db: None, client: Client) -> None:
     assert "Too many failed attempts" in response.content.decode()
 
 
+def test_an_invocation_recorded_with_a_slash_in_its_id_stays_reachable(
+    flagged: str, operator: Client
+) -> None:
+    # Ids with "/" were accepted before the API refused them; one in the queue made
+    # every operator's queue a 500 (no URL could be reversed for it).
+    Invocation.objects.filter(invocation_id=flagged).update(invocation_id="tenant/42")
+    queue = operator.get("/")
+    assert queue.status_code == 200
+    assert 'href="/invocations/tenant/42/"' in queue.content.decode()
+    page = operator.get("/invocations/tenant/42/")
+    assert page.status_code == 200
+    assert "tenant/42" in page.content.decode()
+    claimed = operator.post("/invocations/tenant/42/claim")
+    assert claimed.status_code == 302
+    assert Invocation.objects.get().assignee == "olga"
+
+
+@pytest.mark.parametrize("path", ["/invocations/%00/", "/invocations/a%00b/claim"])
+def test_a_path_postgresql_cannot_compare_is_not_found(operator: Client, path: str) -> None:
+    assert operator.get(path).status_code == 404
+
+
 def test_a_login_lockout_holds_across_web_processes(web_processes: list[str]) -> None:
     """Failures counted by one process refuse the next attempt at another."""
     User.objects.create_user("eve", password="right")
