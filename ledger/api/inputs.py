@@ -4,8 +4,9 @@ Each body is a msgspec Struct: types, lengths, patterns and unknown fields are
 checked in C (about a microsecond a body; the DRF serializers this replaced took
 ~140 µs, which was most of a batch item's validation). What a type cannot say —
 the arguments' digest, JSON limits, which fields go together — is checked by the
-function that turns the struct into the services' dataclass. A refusal is a DRF
-ValidationError naming the field, so it becomes the typed `validation_failed` body.
+function that turns the struct into the services' dataclass, which also moves
+timestamps to UTC. A refusal is a DRF ValidationError naming every field at fault, so
+it becomes the typed `validation_failed` body.
 
 The same structs give the OpenAPI schema its request bodies (`schema_components`),
 so the documentation cannot drift from what is enforced.
