@@ -167,7 +167,6 @@ class _Work:
             self._remember(invocation)
             self.read_event_count[invocation.invocation_id] = invocation.event_count
             for attempt, outcome in attempts:
-                attempt.invocation = invocation
                 self.attempts[invocation.invocation_id][attempt.attempt_id] = attempt
                 if outcome is not None:
                     self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
