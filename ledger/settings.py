@@ -8,6 +8,7 @@ wheel) and Kombu's filesystem broker under .data/broker.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -39,6 +40,14 @@ def env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
+
+
+def env_rate(name: str, default: str) -> str:
+    """A request rate as DRF writes them: 600/min, 10/s, 50000/hour."""
+    raw = os.environ.get(name, default)
+    if re.fullmatch(r"[1-9][0-9]*/(s|sec|second|m|min|minute|h|hour|d|day)", raw) is None:
+        raise ImproperlyConfigured(f"{name} must be a rate such as 600/min, not {raw!r}")
+    return raw
 
 
 DEBUG = env_bool("DEBUG", False)
@@ -176,17 +185,16 @@ STORAGES = {
 # Without collectstatic (tests, a fresh checkout) serve from the finders.
 WHITENOISE_USE_FINDERS = True
 
-# `default` is shared by every web and worker process (a table in the ledger's own
-# database, made by migration 0015), so a login lockout holds whichever process
-# answers. The per-token API throttle counts in `local`, each process's memory: a
-# shared counter would cost the hot path two more statements per request, so
-# LEDGER_THROTTLE_RATE applies per web process.
+# Shared by every web and worker process (a table in the ledger's own database, made
+# by migration 0015), so a login lockout holds whichever process answers. The
+# per-token API throttle counts in each process's memory instead
+# (ledger/api/throttling.py): a shared counter would cost the hot path two more
+# statements per request, so LEDGER_THROTTLE_RATE applies per web process.
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.db.DatabaseCache",
         "LOCATION": "ledger_cache",
     },
-    "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
 }
 
 # The ingestion API answers only to runtime tokens: no sessions, no browsable HTML.
@@ -198,7 +206,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "ledger.api.errors.exception_handler",
     "DEFAULT_THROTTLE_CLASSES": ["ledger.api.throttling.RuntimeTokenThrottle"],
-    "DEFAULT_THROTTLE_RATES": {"runtime": os.environ.get("LEDGER_THROTTLE_RATE", "50000/min")},
+    "DEFAULT_THROTTLE_RATES": {"runtime": env_rate("LEDGER_THROTTLE_RATE", "50000/min")},
     "UNAUTHENTICATED_USER": None,
 }
 

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import io
+from collections.abc import Iterator
+
 import pytest
 from django.core.management import call_command
 from django.test import Client
@@ -95,21 +98,67 @@ def test_create_runtime_refuses_a_duplicate_name_without_add_token(db: None) -> 
     assert RuntimeToken.objects.filter(runtime__name="dup").count() == 2
 
 
-def test_a_throttled_token_gets_429_with_retry_after(
-    api: Api, refund: Capability, settings: object
-) -> None:
-    from ledger.api.throttling import RuntimeTokenThrottle
+@pytest.fixture
+def two_a_minute(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """The runtime throttle at 2/min, on a clock the test moves (monotonic seconds)."""
+    from ledger.api import throttling
 
-    RuntimeTokenThrottle.cache.clear()
-    original = RuntimeTokenThrottle.THROTTLE_RATES
-    RuntimeTokenThrottle.THROTTLE_RATES = {"runtime": "2/min"}
-    try:
-        assert api.get("/api/v1/invocations")[0] == 200
-        assert api.get("/api/v1/invocations")[0] == 200
-        response = api.client.get("/api/v1/invocations", headers=api.headers())
-    finally:
-        RuntimeTokenThrottle.THROTTLE_RATES = original
-        RuntimeTokenThrottle.cache.clear()
+    clock = [1000.0]
+    monkeypatch.setattr(throttling.RuntimeTokenThrottle, "rate", "2/min")
+    monkeypatch.setattr(throttling.time, "monotonic", lambda: clock[0])
+    throttling.RuntimeTokenThrottle.reset()
+    yield clock
+    throttling.RuntimeTokenThrottle.reset()
+
+
+def statuses(api: Api, count: int) -> list[int]:
+    return [api.get("/api/v1/invocations")[0] for _ in range(count)]
+
+
+def test_a_throttled_token_gets_429_with_retry_after(
+    api: Api, refund: Capability, two_a_minute: list[float]
+) -> None:
+    assert statuses(api, 2) == [200, 200]
+    response = api.client.get("/api/v1/invocations", headers=api.headers())
     assert response.status_code == 429
     assert response.json()["error"]["type"] == "rate_limited"
-    assert int(response["Retry-After"]) > 0
+    # The allowance comes back evenly over the minute: one request every 30 seconds.
+    assert response["Retry-After"] == "30"
+
+
+def test_the_allowance_comes_back_evenly_and_never_beyond_the_rate(
+    api: Api, refund: Capability, two_a_minute: list[float]
+) -> None:
+    assert statuses(api, 3) == [200, 200, 429]
+    two_a_minute[0] += 29
+    refused = api.client.get("/api/v1/invocations", headers=api.headers())
+    assert (refused.status_code, refused["Retry-After"]) == (429, "1")
+    two_a_minute[0] += 1
+    assert statuses(api, 2) == [200, 429]
+    two_a_minute[0] += 600  # idle for ten periods: still only one period's allowance
+    assert statuses(api, 3) == [200, 200, 429]
+
+
+def test_each_token_has_its_own_allowance(
+    api: Api, refund: Capability, two_a_minute: list[float]
+) -> None:
+    out = io.StringIO()
+    call_command("create_runtime", "second", stdout=out)
+    second = Api(client=api.client, token=out.getvalue().strip().splitlines()[-1])
+    assert statuses(api, 3) == [200, 200, 429]
+    assert statuses(second, 3) == [200, 200, 429]
+
+
+@pytest.mark.parametrize("rate", ["", "0/min", "ten/min", "10/fortnight", "10", "-1/s"])
+def test_a_malformed_throttle_rate_stops_the_ledger_from_starting(
+    monkeypatch: pytest.MonkeyPatch, rate: str
+) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from ledger.settings import env_rate
+
+    monkeypatch.setenv("LEDGER_THROTTLE_RATE", rate)
+    with pytest.raises(ImproperlyConfigured, match="LEDGER_THROTTLE_RATE must be a rate"):
+        env_rate("LEDGER_THROTTLE_RATE", "50000/min")
+    monkeypatch.setenv("LEDGER_THROTTLE_RATE", "600/minute")
+    assert env_rate("LEDGER_THROTTLE_RATE", "50000/min") == "600/minute"
