@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.db import connection, models
+from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
@@ -160,31 +160,6 @@ class RuntimeToken(models.Model):
         if len(parts) != 3 or parts[0] != RuntimeToken.PREFIX or not parts[2]:
             return None
         return parts[1] if TOKEN_PREFIX.fullmatch(parts[1]) else None
-
-    @classmethod
-    def active_by_prefix(cls, prefix: str) -> RuntimeToken | None:
-        """The unrevoked token with this prefix, with its runtime.
-
-        Every API request asks this, so it is one plain query rather than an ORM
-        one (whose Python costs more than the query itself).
-        """
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT t.id, t.digest, r.id, r.name FROM ledger_runtimetoken t "
-                "JOIN ledger_runtime r ON r.id = t.runtime_id "
-                "WHERE t.prefix = %s AND t.revoked_at IS NULL",
-                [prefix],
-            )
-            row = cursor.fetchone()
-        if row is None:
-            return None
-        token_id, digest, runtime_id, runtime_name = row
-        return cls(
-            id=token_id,
-            prefix=prefix,
-            digest=digest,
-            runtime=Runtime(id=runtime_id, name=runtime_name),
-        )
 
     def matches(self, token: str) -> bool:
         return hmac.compare_digest(self.digest, self.hash(token))

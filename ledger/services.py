@@ -148,6 +148,7 @@ class _Work:
     new_events: list[tuple[store.NewEvent, str]] = field(default_factory=list)
     dirty: dict[str, Invocation] = field(default_factory=dict)
     read_event_count: dict[str, int] = field(default_factory=dict)
+    unchanged_capabilities: list[store.KnownCapability] = field(default_factory=list)
 
     # Loading ---------------------------------------------------------------
 
@@ -170,6 +171,15 @@ class _Work:
                 self.attempts[invocation.invocation_id][attempt.attempt_id] = attempt
                 if outcome is not None:
                     self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
+
+    def assume_new(self, known: dict[str, store.KnownCapability]) -> None:
+        """Read nothing: every intent is taken as new, under capabilities remembered.
+
+        The write inserts no invocation that already exists and checks that the
+        capabilities still read the same; if either fails, it writes nothing.
+        """
+        self.capabilities = {scope: entry.capability for scope, entry in known.items()}
+        self.unchanged_capabilities = list(known.values())
 
     def _remember(self, invocation: Invocation) -> None:
         self.invocations[invocation.invocation_id] = invocation
@@ -218,6 +228,7 @@ class _Work:
                 new_attempts=self.new_attempts,
                 new_outcomes=self.new_outcomes,
                 new_events=self.new_events,
+                unchanged_capabilities=self.unchanged_capabilities,
             )
         )
 
@@ -520,33 +531,58 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
     Nothing is locked while the items are applied in memory: the write checks that
     no invocation changed since it was read, and on a lost race the whole unit is
     read and applied again, so it answers as if it had come second.
+
+    A unit of new intents under capabilities this process has read before skips the
+    read: it is applied as if nothing existed yet, and only if the write then finds
+    every invocation new and every capability unchanged, and every item applied
+    cleanly, is that the answer. Otherwise (a replay, a conflict, a changed or
+    refusing capability) the unit is read and applied again.
     """
-    for attempt in range(RACE_RETRIES):
+    known = _known_capabilities_of_new_intents(items)
+    races = 0
+    while True:
         work = _Work(runtime=runtime, now=timezone.now())
-        work.load_items(items)
+        if known is not None:
+            work.assume_new(known)
+        else:
+            work.load_items(items)
         results: list[ItemResult] = []
         for item in items:
             try:
                 results.append(APPLY[type(item)](work, item))  # type: ignore[operator]
             except LedgerError as error:
                 results.append(error)
+        if known is not None and any(isinstance(result, LedgerError) for result in results):
+            known = None  # a refusal is only answered from what was read
+            continue
         try:
             work.flush()
         except store.RaceLost:
+            if known is not None:
+                known = None  # the assumption was wrong: read, and apply again
+                continue
+            races += 1
             log.info(
-                "evidence race lost runtime=%s items=%d try=%d",
-                runtime.name,
-                len(items),
-                attempt + 1,
+                "evidence race lost runtime=%s items=%d try=%d", runtime.name, len(items), races
             )
-            continue
+            if races < RACE_RETRIES:
+                continue
+            raise LedgerError(
+                "ledger_unavailable",
+                "The invocation kept changing under this request. Nothing was recorded; it "
+                "is safe to send the same request again.",
+                status=503,
+            ) from None
         return results
-    raise LedgerError(
-        "ledger_unavailable",
-        "The invocation kept changing under this request. Nothing was recorded; it is "
-        "safe to send the same request again.",
-        status=503,
-    )
+
+
+def _known_capabilities_of_new_intents(
+    items: Sequence[EvidenceInput],
+) -> dict[str, store.KnownCapability] | None:
+    intents = [item for item in items if isinstance(item, IntentInput)]
+    if len(intents) < len(items):
+        return None
+    return store.known_capabilities({item.capability for item in intents})
 
 
 def _single(runtime: Runtime, item: EvidenceInput) -> Applied:

@@ -4,6 +4,7 @@ The ORM would spend about a millisecond of Python per query on these machines,
 more than PostgreSQL spends on the whole write, so the evidence hot path speaks SQL
 directly (the rest of the project uses the ORM):
 
+- `active_token` finds the runtime token a request presents;
 - `load` reads the capabilities and the invocations a request names, with their
   attempts and outcomes, as one JSON row (`detail`, behind `GET` of one invocation,
   reads one invocation with its events the same way);
@@ -34,7 +35,7 @@ import msgspec
 import psycopg
 from django.db import DatabaseError, connection, models, transaction
 
-from ledger.models import Attempt, Capability, Event, Invocation, Outcome
+from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runtime, RuntimeToken
 
 RACE_LOST_SQLSTATE = "LD001"
 
@@ -44,9 +45,12 @@ RACE_LOST_SQLSTATE = "LD001"
 # in through ledger_keys, which the planner counts as one row each (migration 0016),
 # so that its generic plan looks each one up by index even on a table it has no
 # statistics for.
+# A capability row as it reads now: a unit that relied on a remembered capability
+# checks, in its write, that the row still reads the same.
+FINGERPRINT = "encode(sha256(convert_to(c::text, 'UTF8')), 'hex')"
 LOAD_SQL = """
 SELECT
-  (SELECT coalesce(json_agg(c), '[]')
+  (SELECT coalesce(json_agg(json_build_object('row', c, 'fingerprint', {fingerprint})), '[]')
    FROM ledger_keys($1::text[]) AS s(scope) JOIN ledger_capability c ON c.scope = s.scope),
   (SELECT coalesce(json_agg(json_build_object(
       'invocation', i,
@@ -66,7 +70,7 @@ SELECT
            JOIN ledger_invocation x
              ON x.capability_scope = p.scope AND x.idempotency_key = p.idempotency_key) x
          ORDER BY x.id) i)
-"""
+""".replace("{fingerprint}", FINGERPRINT)
 
 
 def _stored(model: type[models.Model], *, skip: Iterable[str] = ()) -> list[models.Field]:
@@ -103,7 +107,13 @@ def _rows(table: str, placeholder: str, *, source: str = "jsonb_array_elements")
 
 
 @functools.cache
-def write_sql(new_invocations: bool, updates: bool, new_attempts: bool, new_outcomes: bool) -> str:
+def write_sql(
+    new_invocations: bool,
+    updates: bool,
+    new_attempts: bool,
+    new_outcomes: bool,
+    checks_capabilities: bool = False,
+) -> str:
     """The write statement for one shape of unit, with only the parts it needs.
 
     Each request shape (an intent, an intent with its first attempt, an attempt, an
@@ -180,6 +190,13 @@ new_event AS (
   JOIN touched t ON t.invocation_id = r.j ->> 'owner'
   RETURNING 1
 )""")
+    if checks_capabilities:
+        parts.append(f"""
+unchanged_capability AS (
+  SELECT 1 FROM ledger_rows({rows_of("unchanged_capability")}::jsonb) AS r(j)
+  JOIN ledger_capability c ON c.scope = r.j ->> 'scope'
+  WHERE {FINGERPRINT} = r.j ->> 'fingerprint'
+)""")
     checks = " AND ".join(
         f"(SELECT count(*) FROM {cte}) = ${len(written) + n}::integer"
         for n, (cte, _) in enumerate(written, start=1)
@@ -187,8 +204,8 @@ new_event AS (
     return f"WITH {','.join(parts)}\nSELECT ledger_assert_written({checks})"
 
 
-def _execute(query: str, params: Sequence[Any]) -> tuple[Any, ...]:
-    """One statement on Django's connection, with `$n` placeholders, its one row.
+def _query(query: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
+    """One statement on Django's connection, with `$n` placeholders: its first row.
 
     Django's execute wrappers still see it, as they would a query of the ORM.
     """
@@ -202,9 +219,32 @@ def _execute(query: str, params: Sequence[Any]) -> tuple[Any, ...]:
         for wrapper in reversed(connection.execute_wrappers):
             executor = functools.partial(wrapper, executor)
         executor(query, params, False, {"connection": connection, "cursor": cursor})
-        row = cursor.fetchone()
+        return cursor.fetchone()
+
+
+def _execute(query: str, params: Sequence[Any]) -> tuple[Any, ...]:
+    """A statement that always answers one row (an aggregate)."""
+    row = _query(query, params)
     assert row is not None
     return row
+
+
+ACTIVE_CREDENTIAL_SQL = """
+SELECT t.id, t.digest, r.id, r.name FROM ledger_runtimetoken t
+JOIN ledger_runtime r ON r.id = t.runtime_id
+WHERE t.prefix = $1 AND t.revoked_at IS NULL
+"""
+
+
+def active_token(prefix: str) -> RuntimeToken | None:
+    """The unrevoked token with this prefix, with its runtime: every API request asks."""
+    row = _query(ACTIVE_CREDENTIAL_SQL, [prefix])
+    if row is None:
+        return None
+    token_id, digest, runtime_id, runtime_name = row
+    return RuntimeToken(
+        id=token_id, prefix=prefix, digest=digest, runtime=Runtime(id=runtime_id, name=runtime_name)
+    )
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -229,6 +269,26 @@ def _instance[M: models.Model](model: type[M], row: dict[str, Any]) -> M:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class KnownCapability:
+    capability: Capability
+    fingerprint: str
+
+
+# The capabilities this process has read, by scope. Any unit may rely on one only
+# if its write checks the fingerprint (`Writes.unchanged_capabilities`). Only rows
+# that exist are remembered, so the memory is as large as the registry.
+_known: dict[str, KnownCapability] = {}
+
+
+def known_capabilities(scopes: Iterable[str]) -> dict[str, KnownCapability] | None:
+    """The remembered capabilities of these scopes, or None if one is not remembered."""
+    try:
+        return {scope: _known[scope] for scope in scopes}
+    except KeyError:
+        return None
+
+
 @dataclass
 class Loaded:
     capabilities: list[Capability] = field(default_factory=list)
@@ -238,8 +298,15 @@ class Loaded:
 
 
 def load(*, ids: Iterable[str], scopes: Iterable[str], keys: Iterable[str]) -> Loaded:
-    capabilities_json, invocations_json = _execute(LOAD_SQL, [list(scopes), list(ids), list(keys)])
-    loaded = Loaded(capabilities=[_instance(Capability, row) for row in _json(capabilities_json)])
+    scopes = list(scopes)
+    capabilities_json, invocations_json = _execute(LOAD_SQL, [scopes, list(ids), list(keys)])
+    loaded = Loaded()
+    for entry in _json(capabilities_json):
+        capability = _instance(Capability, entry["row"])
+        _known[capability.scope] = KnownCapability(capability, entry["fingerprint"])
+        loaded.capabilities.append(capability)
+    for scope in {*scopes} - {capability.scope for capability in loaded.capabilities}:
+        _known.pop(scope, None)
     for entry in _json(invocations_json):
         attempts = [
             (
@@ -342,6 +409,9 @@ class Writes:
     new_attempts: list[NewAttempt]
     new_outcomes: list[tuple[Outcome, str, str, int | None]]  # owner, attempt_id, attempt pk
     new_events: list[tuple[NewEvent, str]]  # owner invocation_id
+    # Remembered capabilities the unit relied on: the write fails unless they still
+    # read the same.
+    unchanged_capabilities: list[KnownCapability] = field(default_factory=list)
 
 
 def write(writes: Writes) -> None:
@@ -351,6 +421,7 @@ def write(writes: Writes) -> None:
         bool(writes.updated),
         bool(writes.new_attempts),
         bool(writes.new_outcomes),
+        bool(writes.unchanged_capabilities),
     )
     rows: list[list[dict[str, Any]]] = []
     if writes.new_invocations:
@@ -369,6 +440,11 @@ def write(writes: Writes) -> None:
             for o, owner, attempt_id, attempt_pk in writes.new_outcomes
         ])  # fmt: skip
     rows.append([{"owner": owner, **_record(e, EVENT_FIELDS)} for e, owner in writes.new_events])
+    if writes.unchanged_capabilities:
+        rows.append([
+            {"scope": known.capability.scope, "fingerprint": known.fingerprint}
+            for known in writes.unchanged_capabilities
+        ])  # fmt: skip
     params = [*map(_array, rows), *map(len, rows)]
     # Inside a caller's transaction a savepoint contains the failure; on its own the
     # statement is its own transaction (no BEGIN/COMMIT round trips).

@@ -6,6 +6,7 @@ from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 from rest_framework.request import Request
 
+from ledger import store
 from ledger.models import Runtime, RuntimeToken
 
 
@@ -23,7 +24,7 @@ class RuntimeTokenAuthentication(authentication.BaseAuthentication):
         if scheme.lower() != "bearer" or not token:
             raise exceptions.AuthenticationFailed("Use 'Authorization: Bearer <runtime token>'.")
         prefix = RuntimeToken.split(token)
-        row = RuntimeToken.active_by_prefix(prefix) if prefix else None
+        row = store.active_token(prefix) if prefix else None
         # One message for unknown, malformed and revoked tokens: nothing to probe.
         if row is None or not row.matches(token):
             raise exceptions.AuthenticationFailed("The token is unknown or revoked.")

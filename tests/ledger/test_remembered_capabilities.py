@@ -1,0 +1,107 @@
+"""New intents under a capability the process has read before skip the read.
+
+The write then checks that every invocation is new and every capability still reads
+as remembered; these tests change the capability behind the memory's back (as an
+admin, a migration or another process would) and show the answer follows the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connection
+
+from ledger.models import Capability, Event, Invocation
+from tests.conftest import Api
+
+
+@pytest.fixture
+def statements() -> Iterator[list[str]]:
+    """The SQL statements the requests in the test send, in order.
+
+    Savepoints are left out: they exist because the test runs in a transaction.
+    """
+    sent: list[str] = []
+
+    def record(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if not sql.startswith(("SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO SAVEPOINT")):
+            sent.append(sql)
+        return execute(sql, *args)
+
+    with connection.execute_wrapper(record):
+        yield sent
+
+
+def test_a_new_intent_under_a_remembered_capability_is_one_write(
+    api: Api, refund: Capability, statements: list[str]
+) -> None:
+    assert api.intent(invocation_id="inv-1", idempotency_key="k1")[0] == 201
+    statements.clear()
+
+    status, body = api.intent(invocation_id="inv-2", idempotency_key="k2", attempt_id="a1")
+
+    assert (status, body["status"]) == (201, "in_flight")
+    # The token, then the write: no read of the capability or the invocation.
+    assert len(statements) == 2, statements
+    assert statements[1].lstrip().startswith("WITH")
+    assert Invocation.objects.get(invocation_id="inv-2").capability == refund
+
+
+def test_a_replay_under_a_remembered_capability_is_read_and_answered_as_one(
+    api: Api, refund: Capability
+) -> None:
+    first = api.intent(invocation_id="inv-1", attempt_id="a1")
+    replay = api.intent(invocation_id="inv-1", attempt_id="a1")
+
+    assert (first[0], replay[0]) == (201, 200)
+    assert replay[1] == first[1]
+    assert Event.objects.count() == 2
+
+
+def test_a_capability_disabled_since_it_was_remembered_refuses(
+    api: Api, refund: Capability
+) -> None:
+    assert api.intent(invocation_id="inv-1", idempotency_key="k1")[0] == 201
+    # Behind the memory's back: no version change, no signal.
+    Capability.objects.filter(pk=refund.pk).update(enabled=False)
+
+    status, body = api.intent(invocation_id="inv-2", idempotency_key="k2")
+
+    assert (status, body["error"]["type"]) == (422, "capability_disabled")
+    assert not Invocation.objects.filter(invocation_id="inv-2").exists()
+
+
+def test_a_capability_enabled_since_it_was_remembered_disabled_accepts(
+    api: Api, refund: Capability
+) -> None:
+    Capability.objects.filter(pk=refund.pk).update(enabled=False)
+    assert api.intent(invocation_id="inv-1", idempotency_key="k1")[0] == 422
+    Capability.objects.filter(pk=refund.pk).update(enabled=True)
+
+    status, _ = api.intent(invocation_id="inv-2", idempotency_key="k2")
+
+    assert status == 201
+
+
+def test_an_intent_takes_the_hints_the_capability_has_now(api: Api, refund: Capability) -> None:
+    assert api.intent(invocation_id="inv-1", idempotency_key="k1")[0] == 201
+    Capability.objects.filter(pk=refund.pk).update(readonly=True, timeout_ms=1234)
+
+    assert api.intent(invocation_id="inv-2", idempotency_key="k2")[0] == 201
+
+    invocation = Invocation.objects.get(invocation_id="inv-2")
+    assert (invocation.hint_readonly, invocation.timeout_ms) == (True, 1234)
+
+
+def test_a_capability_gone_since_it_was_remembered_makes_the_intent_undeclared(
+    api: Api, refund: Capability
+) -> None:
+    assert api.intent(invocation_id="inv-1", idempotency_key="k1")[0] == 201
+    Capability.objects.filter(pk=refund.pk).update(scope="refund.create.v0")
+
+    status, body = api.intent(invocation_id="inv-2", idempotency_key="k2")
+
+    assert (status, body["flags"]) == (201, ["undeclared"])
+    assert Invocation.objects.get(invocation_id="inv-2").capability is None
