@@ -128,14 +128,17 @@ def database_from_url(url: str) -> dict[str, object]:
         raise ImproperlyConfigured(f"DATABASE_URL is not a PostgreSQL URL: {exc}") from None
     if not params.get("dbname"):
         raise ImproperlyConfigured("DATABASE_URL must name a database, e.g. .../ledger")
-    # Server-side binding and a prepare threshold let psycopg prepare the evidence
-    # statements (ledger/store.py) once per connection: planning them anew on each
-    # request cost more than running them. Set DATABASE_PREPARE_THRESHOLD="" behind a
-    # transaction-mode pooler such as PgBouncer, which cannot keep prepared statements.
-    threshold = os.environ.get("DATABASE_PREPARE_THRESHOLD", "2")
+    # psycopg prepares only the statements that ask for it: the evidence statements
+    # (ledger/store.py), whose plans hold at every table size (migration 0016), once
+    # per connection, as planning them on each request cost more than running them.
+    # Automatically prepared ORM queries kept a generic plan made while their table
+    # was small, and a generic plan cannot use a partial index whose predicate a
+    # parameter decides (the sweeper's). psycopg ignores prepare=True without a
+    # threshold, hence one that is never reached. Set DATABASE_PREPARED_STATEMENTS=false
+    # behind a transaction-mode pooler such as PgBouncer, which cannot keep them.
     options: dict[str, object] = {
         "server_side_binding": True,
-        "prepare_threshold": int(threshold) if threshold else None,
+        "prepare_threshold": 2**31 - 1 if env_bool("DATABASE_PREPARED_STATEMENTS", True) else None,
         # JIT pays off for long analytic queries; the ledger's are short, and on a
         # 1,000-item batch's read it spent 22 ms compiling a 30 ms query.
         "options": "-c jit=off",

@@ -213,7 +213,8 @@ def _query(query: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
     with connection.wrap_database_errors, psycopg.RawCursor(connection.connection) as cursor:
 
         def run(sql: str, params: Sequence[Any], many: bool, context: dict[str, Any]) -> None:
-            cursor.execute(sql, params)
+            # Prepared once per connection (unless DATABASE_PREPARED_STATEMENTS is off).
+            cursor.execute(sql, params, prepare=True)
 
         executor: Callable[..., None] = run
         for wrapper in reversed(connection.execute_wrappers):

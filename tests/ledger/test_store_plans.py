@@ -15,8 +15,12 @@ import re
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from ledger import store
+from ledger.models import Capability
+from reconciliation import sweeper
+from tests.conftest import Api
 
 pytestmark = pytest.mark.django_db
 
@@ -62,3 +66,18 @@ def test_an_idempotency_key_is_looked_up_with_its_scope() -> None:
     conditions = re.findall(r"Index Scan using invocation_scope_key_unique .*\n\s+(.*)", plan)
     assert conditions, plan
     assert all("capability_scope" in c and "idempotency_key" in c for c in conditions), plan
+
+
+def test_only_the_evidence_statements_are_prepared(api: Api, refund: Capability) -> None:
+    """ORM queries are planned with their values each time: their generic plan could
+    not use a partial index whose predicate a parameter decides (the sweeper's)."""
+    for _ in range(10):
+        sweeper.overdue_invocation_ids(now=timezone.now(), limit=10)
+    assert api.intent(attempt_id="a1")[0] == 201
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        prepared = [statement for (statement,) in cursor.fetchall()]
+
+    assert any("ledger_assert_written" in statement for statement in prepared), prepared
+    assert not any("deadline_at" in s and "LIMIT" in s for s in prepared), prepared
