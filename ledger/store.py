@@ -12,7 +12,9 @@ directly (the rest of the project uses the ORM):
   statement. Each projection update is a compare-and-set on `event_count`; a new
   invocation is `ON CONFLICT DO NOTHING`. If any of them did not happen, another
   request won a race, and `ledger_assert_written` raises so that the whole
-  statement rolls back and the caller reloads and applies its items again.
+  statement rolls back and the caller reloads and applies its items again. New
+  intents under capabilities already read (`known_capabilities`) skip `load`; their
+  write also checks that each capability row still reads as remembered.
 
 Rows travel as one JSON array per table, turned back into rows of the table's own
 type by `jsonb_populate_record`, so the statement does not change with the number
@@ -39,15 +41,16 @@ from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runti
 
 RACE_LOST_SQLSTATE = "LD001"
 
+# A capability row as it reads now: a unit that relied on a remembered capability
+# checks, in its write, that the row still reads the same.
+FINGERPRINT = "encode(sha256(convert_to(c::text, 'UTF8')), 'hex')"
+
 # Each outcome is read through the unique index on its attempt, as a subquery: as a
 # LEFT JOIN, the prepared statement's plan could hash-join every outcome, and
 # reading one invocation took twice as long (1.8 ms against 0.9 ms). The names come
 # in through ledger_keys, which the planner counts as one row each (migration 0016),
 # so that its generic plan looks each one up by index even on a table it has no
 # statistics for.
-# A capability row as it reads now: a unit that relied on a remembered capability
-# checks, in its write, that the row still reads the same.
-FINGERPRINT = "encode(sha256(convert_to(c::text, 'UTF8')), 'hex')"
 LOAD_SQL = """
 SELECT
   (SELECT coalesce(json_agg(json_build_object('row', c, 'fingerprint', {fingerprint})), '[]')
