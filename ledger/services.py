@@ -641,6 +641,26 @@ def invocation_transition(
     )
 
 
+SWEEPER = "ledger:sweeper"
+
+
+def _flag_if_overdue(invocation: Invocation, now: dt.datetime) -> dict[str, Any] | None:
+    """Classify an in-flight attempt past its deadline as evidence missing: the data of
+    the event that explains it, or None when there is nothing to flag."""
+    deadline = invocation.deadline_at
+    if invocation.status != policy.Status.IN_FLIGHT or deadline is None or deadline > now:
+        return None
+    attempt_id = invocation.in_flight_attempt
+    invocation.apply_state(
+        policy.flag_missing_evidence(invocation.state(), invocation.hints(), attempt_id)
+    )
+    return {
+        "attempt_id": attempt_id,
+        "deadline_at": deadline.isoformat(),
+        "classified_as": policy.OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED.value,
+    }
+
+
 def flag_missing_evidence(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
     """Flag the in-flight attempt of an invocation past its deadline with no outcome.
 
@@ -648,26 +668,44 @@ def flag_missing_evidence(*, invocation_id: str, now: dt.datetime | None = None)
     deadline moved): the sweeper may call it for any candidate, any number of times.
     """
     now = now or timezone.now()
-
-    def change(invocation: Invocation) -> dict[str, Any] | None:
-        deadline = invocation.deadline_at
-        if invocation.status != policy.Status.IN_FLIGHT or deadline is None or deadline > now:
-            return None
-        attempt_id = invocation.in_flight_attempt
-        invocation.apply_state(
-            policy.flag_missing_evidence(invocation.state(), invocation.hints(), attempt_id)
-        )
-        return {
-            "attempt_id": attempt_id,
-            "deadline_at": deadline.isoformat(),
-            "classified_as": policy.OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED.value,
-        }
-
     changed = invocation_transition(
         invocation_id=invocation_id,
-        actor="ledger:sweeper",
+        actor=SWEEPER,
         kind="evidence_missing",
-        change=change,
+        change=lambda invocation: _flag_if_overdue(invocation, now),
         now=now,
     )
     return changed is not None
+
+
+def flag_missing_evidence_of(
+    *, invocation_ids: Sequence[str], now: dt.datetime | None = None
+) -> list[str]:
+    """`flag_missing_evidence` for many invocations: one read, one write; the ids flagged.
+
+    When many attempts fall due at once (a business system that stopped answering),
+    flagging them one by one took two round trips each. If an outcome arrives for one
+    of them between the read and the write, the write changes nothing and the unit is
+    read again: that invocation is no longer in flight, the others are flagged.
+    """
+    now = now or timezone.now()
+    for _ in range(RACE_RETRIES):
+        work = _Work(runtime=None, now=now)
+        work.load(ids=set(invocation_ids))
+        flagged = []
+        for invocation_id in invocation_ids:
+            invocation = work.invocations.get(invocation_id)
+            data = _flag_if_overdue(invocation, now) if invocation else None
+            if invocation and data:
+                work.event(invocation, "evidence_missing", SWEEPER, data)
+                flagged.append(invocation_id)
+        try:
+            work.flush()
+        except store.RaceLost:
+            continue
+        return flagged
+    raise LedgerError(
+        "ledger_unavailable",
+        "These invocations kept changing; nothing was recorded. Try again.",
+        status=503,
+    )

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import logging
 
 from django.utils import timezone
 
 from ledger.models import Invocation
-from ledger.services import flag_missing_evidence
+from ledger.services import LedgerError, flag_missing_evidence, flag_missing_evidence_of
 from reconciliation import services
 
 log = logging.getLogger(__name__)
+
+# Overdue invocations flagged by one write: large enough that a thousand falling due
+# at once take a few statements, small enough that an outcome arriving for one of
+# them rarely makes the unit read again.
+FLAGS_PER_WRITE = 100
 
 
 def overdue_invocation_ids(*, now: dt.datetime, limit: int) -> list[str]:
@@ -33,16 +39,28 @@ def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
     """
     flagged = 0
     while True:
-        # An explicit `now` (tests) also stamps the events; otherwise each flag
-        # carries the moment it was made.
+        # An explicit `now` (tests) also stamps the events; otherwise each unit's
+        # flags carry the moment it was made.
         candidates = overdue_invocation_ids(now=now or timezone.now(), limit=batch)
-        done = [i for i in candidates if flag_missing_evidence(invocation_id=i, now=now)]
+        done = [
+            invocation_id
+            for unit in itertools.batched(candidates, FLAGS_PER_WRITE)
+            for invocation_id in _flag(list(unit), now)
+        ]
         flagged += len(done)
         if len(candidates) < batch or not done:
             break
     if flagged:
         log.info("sweep flagged=%d", flagged)
     return flagged
+
+
+def _flag(invocation_ids: list[str], now: dt.datetime | None) -> list[str]:
+    try:
+        return flag_missing_evidence_of(invocation_ids=invocation_ids, now=now)
+    except LedgerError:
+        # Outcomes kept arriving for this unit: one invocation at a time instead.
+        return [i for i in invocation_ids if flag_missing_evidence(invocation_id=i, now=now)]
 
 
 def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:

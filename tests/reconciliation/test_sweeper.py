@@ -4,16 +4,19 @@ real broker delivers the beat's task to a real worker."""
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.db import connection
 from django.utils import timezone
 
-from ledger.models import Capability, Invocation
+from ledger import store
+from ledger.models import Capability, Event, Invocation
 from reconciliation import sweeper
 from reconciliation.tasks import sweep_overdue_attempts
-from tests.conftest import Api, wait_for
+from tests.conftest import Api, intent_body, wait_for
 from tests.reconciliation.conftest import Workers, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +47,61 @@ def test_the_sweep_flags_overdue_attempts_and_only_those(
     }
     assert Invocation.objects.get(invocation_id="inv-1").cause == "evidence_missing"
     assert sweeper.sweep(now=now) == 0  # nothing is flagged twice
+
+
+def test_many_attempts_falling_due_at_once_are_flagged_a_hundred_per_write(
+    api: Api, refund: Capability
+) -> None:
+    items = [
+        {"type": "intent", **intent_body(invocation_id=f"inv-{n}", idempotency_key=f"k{n}"),
+         "attempt_id": "a1"}
+        for n in range(1, 251)
+    ]  # fmt: skip
+    assert api.post("/api/v1/evidence", items)[0] == 207
+    writes: list[str] = []
+
+    def count_writes(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if "ledger_assert_written" in sql:
+            writes.append(sql)
+        return execute(sql, *args)
+
+    with connection.execute_wrapper(count_writes):
+        assert sweeper.sweep(now=past_deadline()) == 250
+
+    assert len(writes) == 3  # 100 + 100 + 50
+    statuses = set(Invocation.objects.values_list("status", flat=True))
+    assert statuses == {"reconciliation_required"}
+    assert Event.objects.filter(kind="evidence_missing").count() == 250
+
+
+def test_an_outcome_arriving_during_the_sweep_wins_and_the_rest_are_flagged(
+    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for n in (1, 2, 3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k{n}", attempt_id="a1")
+    write = store.write
+    arrived: list[int] = []
+
+    def outcome_arrives_first(writes: store.Writes) -> None:
+        # Between the sweep's read and its write, the runtime reports inv-2's outcome
+        # (whose own write comes through here too, and goes straight on).
+        if not arrived:
+            arrived.append(0)
+            arrived[0] = api.outcome("inv-2", "a1", kind="succeeded")[0]
+        write(writes)
+
+    monkeypatch.setattr(store, "write", outcome_arrives_first)
+
+    assert sweeper.sweep(now=past_deadline()) == 2
+
+    assert arrived == [201]
+    states = dict(Invocation.objects.values_list("invocation_id", "status"))
+    assert states == {
+        "inv-1": "reconciliation_required",
+        "inv-2": "succeeded",
+        "inv-3": "reconciliation_required",
+    }
+    assert not Event.objects.filter(invocation__invocation_id="inv-2", kind="evidence_missing")
 
 
 def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
