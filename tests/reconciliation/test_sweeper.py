@@ -12,7 +12,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from ledger import store
+from ledger import services, store
 from ledger.models import Capability, Event, Invocation
 from reconciliation import sweeper
 from reconciliation.tasks import sweep_overdue_attempts
@@ -102,6 +102,30 @@ def test_an_outcome_arriving_during_the_sweep_wins_and_the_rest_are_flagged(
         "inv-3": "reconciliation_required",
     }
     assert not Event.objects.filter(invocation__invocation_id="inv-2", kind="evidence_missing")
+
+
+def test_a_unit_that_keeps_losing_races_is_flagged_one_invocation_at_a_time(
+    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for n in (1, 2, 3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k{n}", attempt_id="a1")
+    write = store.write
+    lost: list[int] = []
+
+    def busy(writes: store.Writes) -> None:
+        # Outcomes keep arriving somewhere in every unit of several invocations.
+        if len(writes.updated) > 1:
+            lost.append(len(writes.updated))
+            raise store.RaceLost
+        write(writes)
+
+    monkeypatch.setattr(store, "write", busy)
+
+    assert sweeper.sweep(now=past_deadline()) == 3
+
+    assert lost == [3] * services.RACE_RETRIES
+    statuses = set(Invocation.objects.values_list("status", flat=True))
+    assert statuses == {"reconciliation_required"}
 
 
 def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
