@@ -74,11 +74,16 @@ def test_many_attempts_falling_due_at_once_are_flagged_a_hundred_per_write(
     assert Event.objects.filter(kind="evidence_missing").count() == 250
 
 
-def test_an_outcome_arriving_during_the_sweep_wins_and_the_rest_are_flagged(
-    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def three_in_flight(api: Api, refund: Capability) -> None:
+    """inv-1, inv-2 and inv-3, each with its attempt a1 in flight."""
     for n in (1, 2, 3):
         api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k{n}", attempt_id="a1")
+
+
+def test_an_outcome_arriving_during_the_sweep_wins_and_the_rest_are_flagged(
+    api: Api, three_in_flight: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     write = store.write
     arrived: list[int] = []
 
@@ -105,10 +110,8 @@ def test_an_outcome_arriving_during_the_sweep_wins_and_the_rest_are_flagged(
 
 
 def test_a_unit_that_keeps_losing_races_is_flagged_one_invocation_at_a_time(
-    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch
+    api: Api, three_in_flight: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for n in (1, 2, 3):
-        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k{n}", attempt_id="a1")
     write = store.write
     lost: list[int] = []
 
