@@ -619,21 +619,51 @@ def invocation_transition(
     another request changed the invocation meanwhile, it is loaded again and
     `change` asked again. Returns the changed invocation, or None.
     """
+    changed = invocation_transitions(
+        invocation_ids=[invocation_id],
+        actor=actor,
+        kind=kind,
+        change=change,
+        now=now,
+        must_exist=True,
+    )
+    return changed[0] if changed else None
+
+
+def invocation_transitions(
+    *,
+    invocation_ids: Sequence[str],
+    actor: str,
+    kind: str,
+    change: Callable[[Invocation], dict[str, Any] | None],
+    now: dt.datetime | None = None,
+    must_exist: bool = False,
+) -> list[Invocation]:
+    """`invocation_transition` for many invocations: one read, one write, the changed.
+
+    If another request changed any of them meanwhile, the write changes nothing and
+    all are loaded and `change` asked again. Invocations that do not exist are
+    skipped, or with `must_exist` refused as not found.
+    """
     for _ in range(RACE_RETRIES):
         work = _Work(runtime=None, now=now or timezone.now())
-        work.load(ids={invocation_id})
-        invocation = work.invocations.get(invocation_id)
-        if invocation is None:
-            raise LedgerError("not_found", "no such invocation", status=404)
-        data = change(invocation)
-        if data is None:
-            return None
-        work.event(invocation, kind, actor, data)
+        work.load(ids=set(invocation_ids))
+        changed = []
+        for invocation_id in invocation_ids:
+            invocation = work.invocations.get(invocation_id)
+            if invocation is None:
+                if must_exist:
+                    raise LedgerError("not_found", "no such invocation", status=404)
+                continue
+            data = change(invocation)
+            if data is not None:
+                work.event(invocation, kind, actor, data)
+                changed.append(invocation)
         try:
             work.flush()
         except store.RaceLost:
             continue
-        return invocation
+        return changed
     raise LedgerError(
         "ledger_unavailable",
         "The invocation kept changing; nothing was recorded. Try again.",
@@ -689,23 +719,11 @@ def flag_missing_evidence_of(
     read again: that invocation is no longer in flight, the others are flagged.
     """
     now = now or timezone.now()
-    for _ in range(RACE_RETRIES):
-        work = _Work(runtime=None, now=now)
-        work.load(ids=set(invocation_ids))
-        flagged = []
-        for invocation_id in invocation_ids:
-            invocation = work.invocations.get(invocation_id)
-            data = _flag_if_overdue(invocation, now) if invocation else None
-            if invocation and data:
-                work.event(invocation, "evidence_missing", SWEEPER, data)
-                flagged.append(invocation_id)
-        try:
-            work.flush()
-        except store.RaceLost:
-            continue
-        return flagged
-    raise LedgerError(
-        "ledger_unavailable",
-        "These invocations kept changing; nothing was recorded. Try again.",
-        status=503,
+    changed = invocation_transitions(
+        invocation_ids=invocation_ids,
+        actor=SWEEPER,
+        kind="evidence_missing",
+        change=lambda invocation: _flag_if_overdue(invocation, now),
+        now=now,
     )
+    return [invocation.invocation_id for invocation in changed]
