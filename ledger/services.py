@@ -697,15 +697,7 @@ def flag_missing_evidence(*, invocation_id: str, now: dt.datetime | None = None)
     Returns False when there is nothing to flag (an outcome won the race, or the
     deadline moved): the sweeper may call it for any candidate, any number of times.
     """
-    now = now or timezone.now()
-    changed = invocation_transition(
-        invocation_id=invocation_id,
-        actor=SWEEPER,
-        kind="evidence_missing",
-        change=lambda invocation: _flag_if_overdue(invocation, now),
-        now=now,
-    )
-    return changed is not None
+    return bool(_flag_missing_evidence([invocation_id], now, must_exist=True))
 
 
 def flag_missing_evidence_of(
@@ -718,6 +710,12 @@ def flag_missing_evidence_of(
     of them between the read and the write, the write changes nothing and the unit is
     read again: that invocation is no longer in flight, the others are flagged.
     """
+    return _flag_missing_evidence(invocation_ids, now, must_exist=False)
+
+
+def _flag_missing_evidence(
+    invocation_ids: Sequence[str], now: dt.datetime | None, *, must_exist: bool
+) -> list[str]:
     now = now or timezone.now()
     changed = invocation_transitions(
         invocation_ids=invocation_ids,
@@ -725,5 +723,6 @@ def flag_missing_evidence_of(
         kind="evidence_missing",
         change=lambda invocation: _flag_if_overdue(invocation, now),
         now=now,
+        must_exist=must_exist,
     )
     return [invocation.invocation_id for invocation in changed]
