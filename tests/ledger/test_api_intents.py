@@ -335,3 +335,17 @@ def test_a_body_that_is_not_json_media_type_is_refused(api: Api) -> None:
     )
     assert response.status_code == 415
     assert response.json()["error"]["type"] == "unsupported_media_type"
+
+
+def test_the_api_answers_json_whatever_accept_asks_for(api: Api, refund: Capability) -> None:
+    # Before the runtime API ignored Accept, this was a 406 with nothing recorded.
+    response = api.client.post(
+        "/api/v1/intents",
+        intent_body(),
+        content_type="application/json",
+        headers={**api.headers(), "Accept": "text/html"},
+    )
+    assert response.status_code == 201
+    assert response["Content-Type"] == "application/json"
+    assert response.json()["status"] == "recorded"
+    assert counts() == (1, 0, 1)
