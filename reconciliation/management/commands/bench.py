@@ -9,6 +9,9 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
   physical limit of a durable write on this machine;
 - api: runtimes that record an intent with its first attempt, then the outcome,
   over keep-alive HTTP, at 1 and 8 concurrent clients (separate processes);
+- floor: at 1 and 8 clients, GETs that write nothing (`/healthz`, and an unknown
+  invocation answered 404 after token authentication): what a request costs this
+  stack before the ledger does any work, the ceiling for any API write;
 - batch: POST /api/v1/evidence with 1,000 intents per request, 1 and 2 clients;
 - reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
   (time from deadline to flagged) and then probed against the stand-in payments
@@ -57,6 +60,10 @@ RAW_INSERT = (
     "VALUES (%s, %s, %s, %s)"
 )
 BATCH_SIZE = 1000
+FLOOR_REQUESTS = [
+    ("django_healthz", "/healthz", 200),
+    ("drf_authenticated_404", "/api/v1/invocations/none-{tag}", 404),
+]
 ARGUMENTS = {"order": "SO-1", "amount": "12.50", "currency": "EUR", "reason": "damaged"}
 
 
@@ -107,6 +114,11 @@ class Runtime:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
+    def get(self, path: str) -> tuple[int, bytes]:
+        self.conn.request("GET", path, headers=self.headers)
+        response = self.conn.getresponse()
+        return response.status, response.read()
+
     def post(self, path: str, body: Any) -> tuple[int, bytes]:
         self.conn.request("POST", path, json.dumps(body), self.headers)
         response = self.conn.getresponse()
@@ -148,6 +160,24 @@ def api_worker(port: int, token: str, seconds: float, tag: str, queue: Any) -> N
         intents.append(intent)
         outcomes.append(outcome)
     queue.put((intents, outcomes))
+
+
+def floor_worker(port: int, token: str, seconds: float, tag: str, queue: Any) -> None:
+    """GETs that write nothing, for the floor of a request on this stack: `/healthz`
+    (gunicorn and Django with its middleware) and an unknown invocation (the same,
+    plus DRF, token authentication, the throttle and a typed 404)."""
+    runtime = Runtime(port, token)
+    latencies: dict[str, list[float]] = {}
+    for name, path, expected in FLOOR_REQUESTS:
+        path = path.format(tag=tag)
+        latencies[name] = []
+        deadline = time.perf_counter() + seconds / len(FLOOR_REQUESTS)
+        while (started := time.perf_counter()) < deadline:
+            status, body = runtime.get(path)
+            latencies[name].append(time.perf_counter() - started)
+            if status != expected:
+                raise RuntimeError(f"{path} answered {status}: {body[:300]!r}")
+    queue.put(latencies)
 
 
 def batch_worker(port: int, token: str, seconds: float, tag: str, queue: Any) -> None:
@@ -261,6 +291,13 @@ class Command(BaseCommand):
                     "outcome": summary(outcomes, elapsed, len(outcomes)),
                     "writes_per_second": round((len(intents) + len(outcomes)) / elapsed, 1),
                 }
+                floor, elapsed = run_clients(floor_worker, clients, (port, token), seconds)
+                # Each client spends an equal share of the time on each kind of request.
+                share = elapsed / len(FLOOR_REQUESTS)
+                results[f"floor_{clients}"] = {}
+                for name, _, _ in FLOOR_REQUESTS:
+                    latencies = [x for chunk in floor for x in chunk[name]]
+                    results[f"floor_{clients}"][name] = summary(latencies, share, len(latencies))
             for clients in (1, 2):
                 # A batch finishes after the deadline: count the time it really took.
                 sent, elapsed = run_clients(batch_worker, clients, (port, token), seconds)
@@ -276,6 +313,12 @@ class Command(BaseCommand):
             ),
             "api_writes_per_second_over_raw_8_clients": round(
                 results["api_8"]["writes_per_second"] / raw8["per_second"], 3
+            ),
+            "drf_floor_p50_over_raw_p50_1_client": round(
+                results["floor_1"]["drf_authenticated_404"]["p50_ms"] / raw1["p50_ms"], 2
+            ),
+            "drf_floor_per_second_over_raw_8_clients": round(
+                results["floor_8"]["drf_authenticated_404"]["per_second"] / raw8["per_second"], 3
             ),
             "batch_items_per_second_over_raw_8_clients": round(
                 results["batch_1"]["items_per_second"] / raw8["per_second"], 3
@@ -392,7 +435,8 @@ class Command(BaseCommand):
                 "--worker-class", "gthread", "--workers", str(workers),
                 "--threads", str(threads), "--log-level", "warning",
             ],
-            env={**env, "LOG_LEVEL": "WARNING", "LEDGER_THROTTLE_RATE": "100000000/min"},
+            # ERROR: the floor's 404s would each log a warning; nothing measured here logs more.
+            env={**env, "LOG_LEVEL": "ERROR", "LEDGER_THROTTLE_RATE": "100000000/min"},
         )  # fmt: skip
         try:
             for _ in range(100):
@@ -443,6 +487,11 @@ class Command(BaseCommand):
                     f"{row['p50_ms']:>10}{row['p99_ms']:>10}{row['per_second']:>14}"
                 )
             out(f"{f'api writes, {clients} client(s)':<34}{'':>20}{api['writes_per_second']:>14}")
+            for name, row in results[f"floor_{clients}"].items():
+                out(
+                    f"{f'floor {name}, {clients} cl.':<34}"
+                    f"{row['p50_ms']:>10}{row['p99_ms']:>10}{row['per_second']:>14}"
+                )
         for clients in (1, 2):
             out(
                 f"{f'batch items, {clients} client(s)':<34}{'':>20}"
