@@ -12,7 +12,8 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
 - floor: at 1 and 8 clients, GETs that write nothing (`/healthz`, and an unknown
   invocation answered 404 after token authentication): what a request costs this
   stack before the ledger does any work, the ceiling for any API write;
-- batch: POST /api/v1/evidence with 1,000 intents per request, 1 and 2 clients;
+- batch: POST /api/v1/evidence with 1,000 intents per request, 1 and 2 clients,
+  and the floor of its rows: the same rows copied by one SQL statement per 1,000;
 - reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
   (time from deadline to flagged) and then probed against the stand-in payments
   service (settled per second).
@@ -207,6 +208,57 @@ def batch_worker(port: int, token: str, seconds: float, tag: str, queue: Any) ->
     queue.put(items_sent)
 
 
+def batch_rows_sql() -> str:
+    """One statement writing what a batch of new intents writes, without the ledger.
+
+    For each of `%(n)s` new invocation ids it copies a template invocation written by
+    the batch endpoint, with its attempt and events, into the real tables: the same
+    rows, indexes, foreign-key checks and commit, and no Python at all. The floor
+    of the batch endpoint's items per second on this machine.
+    """
+    from ledger.store import ATTEMPT_FIELDS, EVENT_FIELDS, INVOCATION_FIELDS
+
+    fresh = {"invocation_id": "%(prefix)s || g", "idempotency_key": "%(prefix)s || g"}
+    invocation_columns = [column for column, _ in INVOCATION_FIELDS]
+    copied = ", ".join(fresh.get(column, f"t.{column}") for column in invocation_columns)
+    attempt_columns = ", ".join(column for column, _ in ATTEMPT_FIELDS)
+    event_columns = ", ".join(column for column, _ in EVENT_FIELDS)
+    return f"""
+WITH t AS (SELECT * FROM ledger_invocation WHERE invocation_id = %(template)s),
+new_invocation AS (
+  INSERT INTO ledger_invocation ({", ".join(invocation_columns)})
+  SELECT {copied} FROM t CROSS JOIN generate_series(1, %(n)s) AS g
+  RETURNING id),
+new_attempt AS (
+  INSERT INTO ledger_attempt (invocation_id, {attempt_columns})
+  SELECT n.id, {", ".join(f"a.{c}" for c, _ in ATTEMPT_FIELDS)}
+  FROM new_invocation n CROSS JOIN ledger_attempt a JOIN t ON a.invocation_id = t.id
+  RETURNING 1),
+new_event AS (
+  INSERT INTO ledger_event (invocation_id, {event_columns})
+  SELECT n.id, {", ".join(f"e.{c}" for c, _ in EVENT_FIELDS)}
+  FROM new_invocation n CROSS JOIN ledger_event e JOIN t ON e.invocation_id = t.id
+  RETURNING 1)
+SELECT (SELECT count(*) FROM new_invocation), (SELECT count(*) FROM new_attempt),
+       (SELECT count(*) FROM new_event)
+"""
+
+
+def batch_rows_worker(
+    conninfo: str, statement: str, template: str, seconds: float, tag: str, queue: Any
+) -> None:
+    written = 0
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        deadline = time.perf_counter() + seconds
+        b = 0
+        while time.perf_counter() < deadline:
+            b += 1
+            params = {"template": template, "prefix": f"rows-{tag}-{b}-", "n": BATCH_SIZE}
+            conn.execute(statement, params)
+            written += BATCH_SIZE
+    queue.put(written)
+
+
 def run_clients(
     target: Callable[..., None], clients: int, args: tuple[Any, ...], seconds: float
 ) -> tuple[list[Any], float]:
@@ -305,6 +357,18 @@ class Command(BaseCommand):
                     "items": sum(sent),
                     "items_per_second": round(sum(sent) / elapsed, 1),
                 }
+        with psycopg.connect(bench_conninfo) as conn:
+            (template,) = conn.execute(
+                "SELECT invocation_id FROM ledger_invocation WHERE invocation_id LIKE 'batch-%%' "
+                "LIMIT 1"
+            ).fetchone() or ("",)
+        for clients in (1, 2):
+            args = (bench_conninfo, batch_rows_sql(), template)
+            sent, elapsed = run_clients(batch_rows_worker, clients, args, seconds)
+            results[f"batch_rows_floor_{clients}"] = {
+                "items": sum(sent),
+                "items_per_second": round(sum(sent) / elapsed, 1),
+            }
         results["reconciliation"] = self.reconciliation(bench_conninfo, bench_db)
         raw1, raw8 = results["raw_1"], results["raw_8"]
         results["ratios"] = {
@@ -322,6 +386,11 @@ class Command(BaseCommand):
             ),
             "batch_items_per_second_over_raw_8_clients": round(
                 results["batch_1"]["items_per_second"] / raw8["per_second"], 3
+            ),
+            "batch_items_per_second_over_its_rows_floor_1_client": round(
+                results["batch_1"]["items_per_second"]
+                / results["batch_rows_floor_1"]["items_per_second"],
+                3,
             ),
         }
         self.report(results)
@@ -492,6 +561,11 @@ class Command(BaseCommand):
                     f"{f'floor {name}, {clients} cl.':<34}"
                     f"{row['p50_ms']:>10}{row['p99_ms']:>10}{row['per_second']:>14}"
                 )
+        for clients in (1, 2):
+            out(
+                f"{f'batch rows alone (SQL), {clients} cl.':<34}{'':>20}"
+                f"{results[f'batch_rows_floor_{clients}']['items_per_second']:>14}"
+            )
         for clients in (1, 2):
             out(
                 f"{f'batch items, {clients} client(s)':<34}{'':>20}"
