@@ -369,11 +369,12 @@ def _apply_intent(work: _Work, item: IntentInput) -> Applied:
     capability = work.capabilities.get(item.capability)
     flags = _governance(item, capability)
     hints = capability.hints() if capability else policy.CONSERVATIVE_HINTS
-    invocation = Invocation(
+    invocation = store.new_instance(
+        Invocation,
         invocation_id=item.invocation_id,
-        runtime=work.runtime,
+        runtime_id=work.runtime.pk,
         task_id=item.task_id,
-        capability=capability,
+        capability_id=capability.pk if capability else None,
         capability_scope=item.capability,
         capability_version=capability.version if capability else None,
         subject=item.subject,
@@ -395,6 +396,8 @@ def _apply_intent(work: _Work, item: IntentInput) -> Applied:
         head_hash=chain.GENESIS_HASH,
         updated_at=work.now,
     )
+    if capability is not None:
+        invocation.capability = capability  # an outcome in the same unit redacts with it
     work.new_invocations.append(invocation)
     work._remember(invocation)
     work.event(

@@ -273,6 +273,25 @@ def _instance[M: models.Model](model: type[M], row: dict[str, Any]) -> M:
     )
 
 
+def new_instance[M: models.Model](model: type[M], **values: Any) -> M:
+    """`model(**values)` through Django's positional fast path; keys are attnames.
+
+    Given keywords, Model.__init__ looks up each field by name, then searches the
+    leftovers for properties: 30 to 50 µs for an invocation's 40 fields, against under
+    20 µs positionally (a tenth of a batch item's Python). A field not given takes
+    its default.
+    """
+    row = model(
+        *[
+            values.pop(f.attname) if f.attname in values else f.get_default()
+            for f in model._meta.concrete_fields
+        ]
+    )
+    if values:
+        raise TypeError(f"{model.__name__} has no fields {sorted(values)}")
+    return row
+
+
 @dataclass(frozen=True, slots=True)
 class KnownCapability:
     capability: Capability
