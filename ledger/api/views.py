@@ -79,6 +79,8 @@ class JSONAlways(DefaultContentNegotiation):
 
 
 class RuntimeAPIView(APIView):
+    """A view of the runtime API: JSON in and out."""
+
     content_negotiation_class = JSONAlways
 
 
