@@ -124,34 +124,34 @@ def _already_plain(value: Any, depth: int) -> bool:
     """Whether `value` is JSON that msgspec writes as RFC 8785 exactly as it is.
 
     Event bodies nearly always are; checking costs half as much as `_Prepared`,
-    which copies the value while converting it. Leaves are checked in the loop, not
-    by a call each: an event body has about fifty of them.
+    which copies the value while converting it.
     """
-    kind = type(value)
-    if kind is str or kind is bool or value is None:
-        return True
-    if kind is int:
-        return -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER
-    if depth <= 0:
-        return False
-    if kind is dict:
-        for key in value:
-            if type(key) is not str or not key.isascii():
-                return False
-        children = value.values()
-    elif kind is list:
-        children = value
-    else:
-        return False
-    for item in children:
-        item_kind = type(item)
-        if item_kind is str or item_kind is bool or item is None:
+    return _all_plain((value,), depth)
+
+
+def _all_plain(values: Iterable[Any], depth: int) -> bool:
+    """`_already_plain` for each of `values`, containers at most `depth` deep.
+
+    Leaves are checked in the loop, not by a call each: an event body has about
+    fifty of them.
+    """
+    for value in values:
+        kind = type(value)
+        if kind is str or kind is bool or value is None:
             continue
-        if item_kind is int:
-            if -MAX_SAFE_INTEGER <= item <= MAX_SAFE_INTEGER:
+        if kind is int:
+            if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
                 continue
             return False
-        if not _already_plain(item, depth - 1):
+        if depth <= 0:
+            return False
+        if kind is dict:
+            for key in value:
+                if type(key) is not str or not key.isascii():
+                    return False
+            if not _all_plain(value.values(), depth - 1):
+                return False
+        elif kind is not list or not _all_plain(value, depth - 1):
             return False
     return True
 
