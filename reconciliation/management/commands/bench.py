@@ -81,6 +81,10 @@ def summary(latencies: list[float], elapsed: float, count: int) -> dict[str, flo
     }
 
 
+def items_rate(sent: list[int], elapsed: float) -> dict[str, float]:
+    return {"items": sum(sent), "items_per_second": round(sum(sent) / elapsed, 1)}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -254,8 +258,11 @@ def batch_rows_worker(
         while time.perf_counter() < deadline:
             b += 1
             params = {"template": template, "prefix": f"rows-{tag}-{b}-", "n": BATCH_SIZE}
-            conn.execute(statement, params)
-            written += BATCH_SIZE
+            row = conn.execute(statement, params).fetchone()
+            invocations, attempts, events = row if row else (0, 0, 0)
+            if (invocations, attempts, events) != (BATCH_SIZE, BATCH_SIZE, 2 * BATCH_SIZE):
+                raise RuntimeError(f"the rows statement wrote {invocations, attempts, events}")
+            written += invocations
     queue.put(written)
 
 
@@ -353,22 +360,18 @@ class Command(BaseCommand):
             for clients in (1, 2):
                 # A batch finishes after the deadline: count the time it really took.
                 sent, elapsed = run_clients(batch_worker, clients, (port, token), seconds)
-                results[f"batch_{clients}"] = {
-                    "items": sum(sent),
-                    "items_per_second": round(sum(sent) / elapsed, 1),
-                }
+                results[f"batch_{clients}"] = items_rate(sent, elapsed)
         with psycopg.connect(bench_conninfo) as conn:
             (template,) = conn.execute(
                 "SELECT invocation_id FROM ledger_invocation WHERE invocation_id LIKE 'batch-%%' "
                 "LIMIT 1"
-            ).fetchone() or ("",)
+            ).fetchone() or (None,)
+        if template is None:
+            raise RuntimeError("the batch wrote no invocation to copy for its rows' floor")
         for clients in (1, 2):
             args = (bench_conninfo, batch_rows_sql(), template)
             sent, elapsed = run_clients(batch_rows_worker, clients, args, seconds)
-            results[f"batch_rows_floor_{clients}"] = {
-                "items": sum(sent),
-                "items_per_second": round(sum(sent) / elapsed, 1),
-            }
+            results[f"batch_rows_floor_{clients}"] = items_rate(sent, elapsed)
         results["reconciliation"] = self.reconciliation(bench_conninfo, bench_db)
         raw1, raw8 = results["raw_1"], results["raw_8"]
         results["ratios"] = {
