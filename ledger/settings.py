@@ -298,6 +298,7 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     },
 }
 
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -306,8 +307,17 @@ LOGGING = {
             "format": "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
         },
     },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "structured"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    # The level is the handler's as well as the root's: a record from a named logger
+    # ("django.request" logs every 404 as a warning) reaches the root's handlers
+    # without passing the root's own level.
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "structured",
+            "level": LOG_LEVEL,
+        },
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
     # One line per probe request is noise; the probe_run event records each one.
     "loggers": {"httpx": {"level": "WARNING"}},
 }
