@@ -12,6 +12,8 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
 - floor: at 1 and 8 clients, GETs that write nothing (`/healthz`, and an unknown
   invocation answered 404 after token authentication): what a request costs this
   stack before the ledger does any work, the ceiling for any API write;
+- raw, api and floor alternate in `--rounds` slices (5 by default), so that each
+  ratio compares figures taken under the same drift of the machine's speed;
 - batch: POST /api/v1/evidence with 1,000 intents per request, 1 and 2 clients,
   and the floor of its rows: the same rows copied by one SQL statement per 1,000;
 - reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
@@ -293,6 +295,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+        parser.add_argument(
+            "--rounds",
+            type=int,
+            default=5,
+            help="raw, api and floor alternate this many times, each for seconds/rounds",
+        )
         parser.add_argument("--web-workers", type=int, default=2)
         parser.add_argument("--web-threads", type=int, default=8)
 
@@ -337,26 +345,8 @@ class Command(BaseCommand):
             conn.execute(RAW_TABLE)
         results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}}
         with self.gunicorn(env, options["web_workers"], options["web_threads"]) as port:
-            for clients in (1, 8):
-                raw, elapsed = run_clients(raw_worker, clients, (bench_conninfo,), seconds)
-                latencies = [x for chunk in raw for x in chunk]
-                results[f"raw_{clients}"] = summary(latencies, elapsed, len(latencies))
-
-                api, elapsed = run_clients(api_worker, clients, (port, token), seconds)
-                intents = [x for chunk, _ in api for x in chunk]
-                outcomes = [x for _, chunk in api for x in chunk]
-                results[f"api_{clients}"] = {
-                    "intent": summary(intents, elapsed, len(intents)),
-                    "outcome": summary(outcomes, elapsed, len(outcomes)),
-                    "writes_per_second": round((len(intents) + len(outcomes)) / elapsed, 1),
-                }
-                floor, elapsed = run_clients(floor_worker, clients, (port, token), seconds)
-                # Each client spends an equal share of the time on each kind of request.
-                share = elapsed / len(FLOOR_REQUESTS)
-                results[f"floor_{clients}"] = {}
-                for name, _, _ in FLOOR_REQUESTS:
-                    latencies = [x for chunk in floor for x in chunk[name]]
-                    results[f"floor_{clients}"][name] = summary(latencies, share, len(latencies))
+            rounds = options["rounds"]
+            results.update(self.interleaved(port, token, bench_conninfo, seconds, rounds))
             for clients in (1, 2):
                 # A batch finishes after the deadline: count the time it really took.
                 sent, elapsed = run_clients(batch_worker, clients, (port, token), seconds)
@@ -489,6 +479,65 @@ class Command(BaseCommand):
         }
 
     @staticmethod
+    def interleaved(
+        port: int, token: str, conninfo: str, seconds: float, rounds: int
+    ) -> dict[str, Any]:
+        """raw, api and floor at 1 and 8 clients, in `rounds` alternating slices.
+
+        The machine's speed drifts: on the 2-core machines it differed by up to a
+        factor of 2 between runs of the same code. A ratio of two figures measured
+        minutes apart measures that drift too. Alternating short slices gives each
+        figure the same mix of fast and slow moments; the per-round ratios show how
+        much they still move.
+        """
+        latencies: dict[str, list[float]] = {}
+        elapsed: dict[str, float] = {}
+        per_round: dict[str, list[float]] = {"intent_over_raw_p50": [], "writes_over_raw_8": []}
+
+        def add(name: str, values: list[float], seconds_taken: float) -> None:
+            latencies.setdefault(name, []).extend(values)
+            elapsed[name] = elapsed.get(name, 0.0) + seconds_taken
+
+        share = seconds / rounds
+        for _ in range(rounds):
+            for clients in (1, 8):
+                raw, raw_took = run_clients(raw_worker, clients, (conninfo,), share)
+                raw_latencies = [x for chunk in raw for x in chunk]
+                add(f"raw_{clients}", raw_latencies, raw_took)
+                api, took = run_clients(api_worker, clients, (port, token), share)
+                intents = [x for chunk, _ in api for x in chunk]
+                add(f"api_{clients}.intent", intents, took)
+                add(f"api_{clients}.outcome", [x for _, chunk in api for x in chunk], took)
+                if clients == 1:
+                    ratio = statistics.median(intents) / statistics.median(raw_latencies)
+                    per_round["intent_over_raw_p50"].append(round(ratio, 2))
+                else:
+                    # Each intent has its outcome: two writes.
+                    ratio = (2 * len(intents) / took) / (len(raw_latencies) / raw_took)
+                    per_round["writes_over_raw_8"].append(round(ratio, 3))
+                floor, took = run_clients(floor_worker, clients, (port, token), share)
+                for name, _, _ in FLOOR_REQUESTS:
+                    # Each client spends an equal share of the slice on each kind of request.
+                    add(
+                        f"floor_{clients}.{name}",
+                        [x for chunk in floor for x in chunk[name]],
+                        took / len(FLOOR_REQUESTS),
+                    )
+        results: dict[str, Any] = {"per_round_ratios": per_round}
+        for name, values in latencies.items():
+            group, _, kind = name.partition(".")
+            figures = summary(values, elapsed[name], len(values))
+            if kind:
+                results.setdefault(group, {})[kind] = figures
+            else:
+                results[group] = figures
+        for clients in (1, 8):
+            api = results[f"api_{clients}"]
+            writes = api["intent"]["per_second"] + api["outcome"]["per_second"]
+            api["writes_per_second"] = round(writes, 1)
+        return results
+
+    @staticmethod
     def url(database: dict[str, Any], name: str) -> str:
         user = database["USER"] or "postgres"
         password = f":{database['PASSWORD']}" if database["PASSWORD"] else ""
@@ -576,6 +625,8 @@ class Command(BaseCommand):
             )
         for name, value in results["ratios"].items():
             out(f"ratio {name}: {value}")
+        for name, values in results["per_round_ratios"].items():
+            out(f"ratio {name}, round by round: {', '.join(map(str, values))}")
         rec = results["reconciliation"]
         out(
             f"sweep: {rec['overdue']} overdue among {rec['terminal']} terminal flagged in "
