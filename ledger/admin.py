@@ -133,3 +133,11 @@ class RuntimeAdmin(admin.ModelAdmin):
     list_display = ("name", "created_at")
     search_fields = ("name",)
     inlines = [TokenInline]
+
+    def get_readonly_fields(
+        self, request: HttpRequest, obj: Runtime | None = None
+    ) -> tuple[str, ...]:
+        # The name is the runtime's identity in the audit trail: every event it
+        # records names it as actor (`runtime:<name>`), and a rename would orphan
+        # them. Web processes also remember it with the runtime's tokens.
+        return ("name",) if obj is not None else ()

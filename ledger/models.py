@@ -105,6 +105,10 @@ class Runtime(models.Model):
 
     # DRF's IsAuthenticated asks the authenticated principal this.
     is_authenticated = True
+    # Per request: the token this web process remembered rather than read again, until
+    # one of the request's statements confirms it is still unrevoked
+    # (ledger/api/authentication.py).
+    unconfirmed_token_id: int | None = None
 
     def __str__(self) -> str:
         return self.name

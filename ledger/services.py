@@ -161,7 +161,8 @@ class _Work:
         )
 
     def load(self, *, ids: set[str], scopes: set[str] = set(), keys: set[str] = set()) -> None:  # noqa: B006
-        loaded = store.load(ids=ids, scopes=scopes, keys=keys)
+        loaded = store.load(ids=ids, scopes=scopes, keys=keys, confirm_token=self._token())
+        self._token_confirmed()
         found = {capability.scope: capability for capability in loaded.capabilities}
         self.capabilities = {scope: found.get(scope) for scope in scopes}
         for invocation, attempts in loaded.invocations:
@@ -229,8 +230,18 @@ class _Work:
                 new_outcomes=self.new_outcomes,
                 new_events=self.new_events,
                 unchanged_capabilities=self.unchanged_capabilities,
+                confirm_token=self._token(),
             )
         )
+        self._token_confirmed()
+
+    def _token(self) -> int | None:
+        """The runtime's token, if it still has to be confirmed by a statement."""
+        return self.runtime.unconfirmed_token_id if self.runtime is not None else None
+
+    def _token_confirmed(self) -> None:
+        if self.runtime is not None:
+            self.runtime.unconfirmed_token_id = None
 
 
 def event_body(event: Event | store.NewEvent, invocation_id: str) -> dict[str, Any]:

@@ -4,7 +4,11 @@ The ORM would spend about a millisecond of Python per query on these machines,
 more than PostgreSQL spends on the whole write, so the evidence hot path speaks SQL
 directly (the rest of the project uses the ORM):
 
-- `active_token` finds the runtime token a request presents;
+- `active_token` finds the runtime token a request presents. A process that has
+  read a token before skips that statement (ledger/api/authentication.py); the
+  request's `load`, `write` or `detail` is then given the token's id
+  (`confirm_token`) and checks, in the same statement, that it is still
+  unrevoked, raising TokenRevoked (a write checks first and writes nothing);
 - `load` reads the capabilities and the invocations a request names, with their
   attempts and outcomes, as one JSON row (`detail`, behind `GET` of one invocation,
   reads one invocation with its events the same way);
@@ -40,6 +44,16 @@ from django.db import DatabaseError, connection, models, transaction
 from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runtime, RuntimeToken
 
 RACE_LOST_SQLSTATE = "LD001"
+TOKEN_REVOKED_SQLSTATE = "LD002"  # noqa: S105 (an error code, not a secret)
+
+
+def _token_active(placeholder: str) -> str:
+    """True if the token is unrevoked; NULL if it was deleted, or if no id is given."""
+    return (
+        "(SELECT t.revoked_at IS NULL FROM ledger_runtimetoken t "
+        f"WHERE t.id = {placeholder}::bigint)"
+    )
+
 
 # A capability row as it reads now: a unit that relied on a remembered capability
 # checks, in its write, that the row still reads the same.
@@ -72,8 +86,9 @@ SELECT
                             OFFSET 0) AS p
            JOIN ledger_invocation x
              ON x.capability_scope = p.scope AND x.idempotency_key = p.idempotency_key) x
-         ORDER BY x.id) i)
-""".replace("{fingerprint}", FINGERPRINT)
+         ORDER BY x.id) i),
+  {token_active}
+""".replace("{fingerprint}", FINGERPRINT).replace("{token_active}", _token_active("$4"))
 
 
 def _stored(model: type[models.Model], *, skip: Iterable[str] = ()) -> list[models.Field]:
@@ -116,6 +131,7 @@ def write_sql(
     new_attempts: bool,
     new_outcomes: bool,
     checks_capabilities: bool = False,
+    checks_token: bool = False,
 ) -> str:
     """The write statement for one shape of unit, with only the parts it needs.
 
@@ -124,7 +140,8 @@ def write_sql(
     connection and PostgreSQL plans it once. Parameter n of k is the JSON array of
     rows for the n-th part and parameter k + n their number; the check at the end
     counts that each part wrote all of them. (Counting with jsonb_array_length would
-    parse each array a second time: a tenth of a 1,000-item batch's write.)
+    parse each array a second time: a tenth of a 1,000-item batch's write.) With
+    `checks_token`, parameter 2k + 1 is a runtime token's id, which must be unrevoked.
     """
     parts: list[str] = []
     written: list[tuple[str, str]] = []  # (CTE, its rows' placeholder)
@@ -204,7 +221,15 @@ unchanged_capability AS (
         f"(SELECT count(*) FROM {cte}) = ${len(written) + n}::integer"
         for n, (cte, _) in enumerate(written, start=1)
     )
-    return f"WITH {','.join(parts)}\nSELECT ledger_assert_written({checks})"
+    assertion = f"ledger_assert_written({checks})"
+    if checks_token:
+        # CASE, unlike AND, fixes the order: a revoked token is answered as such even
+        # when a race was lost too.
+        token = _token_active(f"${2 * len(written) + 1}")
+        assertion = (
+            f"CASE WHEN ledger_assert_token_active(coalesce({token}, false)) THEN {assertion} END"
+        )
+    return f"WITH {','.join(parts)}\nSELECT {assertion}"
 
 
 def _query(query: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
@@ -333,9 +358,27 @@ class Loaded:
     )
 
 
-def load(*, ids: Iterable[str], scopes: Iterable[str], keys: Iterable[str]) -> Loaded:
+class TokenRevoked(Exception):
+    """The remembered token a statement was asked to confirm is revoked or gone."""
+
+
+def _confirmed(token_id: int | None, active: bool | None) -> None:
+    if token_id is not None and active is not True:
+        raise TokenRevoked
+
+
+def load(
+    *,
+    ids: Iterable[str],
+    scopes: Iterable[str],
+    keys: Iterable[str],
+    confirm_token: int | None = None,
+) -> Loaded:
     scopes = list(scopes)
-    capabilities_json, invocations_json = _execute(LOAD_SQL, [scopes, list(ids), list(keys)])
+    capabilities_json, invocations_json, token_active = _execute(
+        LOAD_SQL, [scopes, list(ids), list(keys), confirm_token]
+    )
+    _confirmed(confirm_token, token_active)
     loaded = Loaded()
     for entry in _json(capabilities_json):
         capability = _instance(Capability, entry["row"])
@@ -369,8 +412,9 @@ SELECT (
     'events', (SELECT coalesce(json_agg(e ORDER BY e.seq), '[]')
                FROM ledger_event e WHERE e.invocation_id = i.id))
   FROM ledger_invocation i
-  WHERE i.invocation_id = $1 AND i.runtime_id = $2)
-"""
+  WHERE i.invocation_id = $1 AND i.runtime_id = $2),
+  {token_active}
+""".replace("{token_active}", _token_active("$3"))
 
 
 @dataclass
@@ -380,9 +424,12 @@ class Detail:
     events: list[Event]
 
 
-def detail(*, invocation_id: str, runtime_id: int) -> Detail | None:
+def detail(
+    *, invocation_id: str, runtime_id: int, confirm_token: int | None = None
+) -> Detail | None:
     """One runtime's invocation with its attempts, outcomes and events, or None."""
-    (found,) = _execute(DETAIL_SQL, [invocation_id, runtime_id])
+    found, token_active = _execute(DETAIL_SQL, [invocation_id, runtime_id, confirm_token])
+    _confirmed(confirm_token, token_active)
     if found is None:
         return None
     found = _json(found)
@@ -448,16 +495,20 @@ class Writes:
     # Remembered capabilities the unit relied on: the write fails unless they still
     # read the same.
     unchanged_capabilities: list[KnownCapability] = field(default_factory=list)
+    # A remembered runtime token: the write fails with TokenRevoked unless it is active.
+    confirm_token: int | None = None
 
 
 def write(writes: Writes) -> None:
-    """Write everything or nothing; RaceLost when a concurrent request got there first."""
+    """Write everything or nothing; RaceLost when a concurrent request got there first,
+    TokenRevoked when the token it was asked to confirm is no longer active."""
     shape = (
         bool(writes.new_invocations),
         bool(writes.updated),
         bool(writes.new_attempts),
         bool(writes.new_outcomes),
         bool(writes.unchanged_capabilities),
+        writes.confirm_token is not None,
     )
     rows: list[list[dict[str, Any]]] = []
     if writes.new_invocations:
@@ -481,7 +532,9 @@ def write(writes: Writes) -> None:
             {"scope": known.capability.scope, "fingerprint": known.fingerprint}
             for known in writes.unchanged_capabilities
         ])  # fmt: skip
-    params = [*map(_array, rows), *map(len, rows)]
+    params: list[Any] = [*map(_array, rows), *map(len, rows)]
+    if writes.confirm_token is not None:
+        params.append(writes.confirm_token)
     # Inside a caller's transaction a savepoint contains the failure; on its own the
     # statement is its own transaction (no BEGIN/COMMIT round trips).
     scope = transaction.atomic() if connection.in_atomic_block else nullcontext()
@@ -489,6 +542,9 @@ def write(writes: Writes) -> None:
         with scope:
             _execute(write_sql(*shape), params)
     except DatabaseError as error:
-        if getattr(error.__cause__, "sqlstate", None) == RACE_LOST_SQLSTATE:
+        sqlstate = getattr(error.__cause__, "sqlstate", None)
+        if sqlstate == RACE_LOST_SQLSTATE:
             raise RaceLost from error
+        if sqlstate == TOKEN_REVOKED_SQLSTATE:
+            raise TokenRevoked from error
         raise

@@ -1,17 +1,25 @@
 from __future__ import annotations
 
+import functools
 import json
 import os
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from django.db import connection
 from django.test import Client
 
 from ledger.models import Capability, Runtime, RuntimeToken
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The Agent Capability Contract's own files: the schema, the conformance vectors and
 # the example OpenAPI documents, beside the project in ../shared/acc/.
@@ -106,3 +114,65 @@ def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"not true within {seconds}s: {condition.__doc__ or condition}")
+
+
+def process_env() -> dict[str, str]:
+    """The environment for a process of the project's own on the test database."""
+    from ledger.celery import app
+
+    settings = connection.settings_dict
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": f"postgresql://{settings['USER']}@{settings['HOST']}:"
+        f"{settings['PORT'] or 5432}/{settings['NAME']}",
+        "CELERY_BROKER_URL": app.conf.broker_url,
+    }
+
+
+@pytest.fixture
+def web_processes(transactional_db: None) -> Iterator[list[str]]:
+    """Two gunicorn servers of one worker each on the test database: their URLs."""
+    servers: list[tuple[str, subprocess.Popen[bytes]]] = []
+    try:
+        for _ in range(2):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            process = subprocess.Popen(
+                [sys.executable, "-m", "gunicorn", "ledger.wsgi", "--bind", f"127.0.0.1:{port}",
+                 "--workers", "1", "--log-level", "warning"],
+                cwd=ROOT, env={**process_env(), "LOG_LEVEL": "WARNING"},
+            )  # fmt: skip
+            servers.append((f"http://127.0.0.1:{port}", process))
+        for url, _ in servers:
+            wait_for(functools.partial(_answers, f"{url}/healthz"))
+        yield [url for url, _ in servers]
+    finally:
+        for _, process in servers:
+            process.terminate()
+            process.wait(timeout=20)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.fixture
+def statements() -> Iterator[list[str]]:
+    """The SQL statements the requests in the test send, in order.
+
+    Savepoints are left out: they exist because the test runs in a transaction.
+    """
+    sent: list[str] = []
+
+    def record(execute: Callable[..., Any], sql: str, *args: Any) -> Any:
+        if not sql.startswith(("SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO SAVEPOINT")):
+            sent.append(sql)
+        return execute(sql, *args)
+
+    with connection.execute_wrapper(record):
+        yield sent

@@ -6,10 +6,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from django.conf import settings
+from django.db import DatabaseError
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.authentication import BasicAuthentication, SessionAuthentication
-from rest_framework.exceptions import NotFound, ValidationError
+from rest_framework.exceptions import AuthenticationFailed, NotFound, ValidationError
 from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.permissions import IsAdminUser
 from rest_framework.renderers import BaseRenderer
@@ -20,9 +21,10 @@ from rest_framework.views import APIView
 from ledger import acc, policy, services, store
 from ledger.api import inputs
 from ledger.api import serializers as s
+from ledger.api.authentication import UNKNOWN_OR_REVOKED, RememberedTokenAuthentication
 from ledger.api.errors import error_body, exception_handler
 from ledger.capabilities import Registered, capability_register
-from ledger.models import Invocation, Runtime
+from ledger.models import Invocation, Runtime, RuntimeToken
 from ledger.services import Applied, LedgerError
 
 ERRORS = {
@@ -84,13 +86,57 @@ class RuntimeAPIView(APIView):
     content_negotiation_class = JSONAlways
 
 
+class StatementConfirmedView(RuntimeAPIView):
+    """A runtime API view whose every statement confirms the token it was given.
+
+    Its requests authenticate with a token this process remembers without reading it
+    (RememberedTokenAuthentication); each of its statements is passed
+    `runtime.unconfirmed_token_id`, checks in the database that the token is still
+    unrevoked, and clears it. A request that ends with the token unconfirmed (before
+    any statement: a 400, a 404 of a malformed id, a 429) has it read before answering.
+    """
+
+    authentication_classes = [RememberedTokenAuthentication]
+    runtime: Runtime | None = None
+    token: RuntimeToken | None = None
+
+    def perform_authentication(self, request: Request) -> None:
+        if isinstance(request.user, Runtime) and isinstance(request.auth, RuntimeToken):
+            self.runtime, self.token = request.user, request.auth
+
+    def handle_exception(self, exc: Exception) -> Response:
+        if isinstance(exc, store.TokenRevoked):
+            exc = self.revoked()
+        return super().handle_exception(exc)
+
+    def finalize_response(
+        self, request: Request, response: Response, *args: Any, **kwargs: Any
+    ) -> Response:
+        if self.token is not None and self.runtime and self.runtime.unconfirmed_token_id:
+            try:
+                active = store.active_token(self.token.prefix)
+            except DatabaseError as error:
+                response = self.handle_exception(error)
+            else:
+                self.runtime.unconfirmed_token_id = None
+                if active is None or active.pk != self.token.pk:
+                    response = self.handle_exception(self.revoked())
+        return super().finalize_response(request, response, *args, **kwargs)
+
+    def revoked(self) -> AuthenticationFailed:
+        assert self.runtime is not None and self.token is not None
+        self.runtime.unconfirmed_token_id = None
+        RememberedTokenAuthentication.forget(self.token.prefix)
+        return AuthenticationFailed(UNKNOWN_OR_REVOKED)
+
+
 WRITE_RESPONSES = {
     201: OpenApiResponse(s.StateSerializer, description="recorded"),
     200: OpenApiResponse(s.StateSerializer, description="idempotent replay: already recorded"),
 }
 
 
-class IntentView(RuntimeAPIView):
+class IntentView(StatementConfirmedView):
     @extend_schema(
         operation_id="record_intent",
         request={"application/json": inputs.INTENT_SCHEMA},
@@ -102,7 +148,7 @@ class IntentView(RuntimeAPIView):
         return written(services.record_intent(runtime=runtime_of(request), intent=intent))
 
 
-class AttemptView(RuntimeAPIView):
+class AttemptView(StatementConfirmedView):
     @extend_schema(
         operation_id="admit_attempt",
         request={"application/json": inputs.ATTEMPT_SCHEMA},
@@ -120,7 +166,7 @@ class AttemptView(RuntimeAPIView):
         )
 
 
-class OutcomeView(RuntimeAPIView):
+class OutcomeView(StatementConfirmedView):
     @extend_schema(
         operation_id="record_outcome",
         request={"application/json": inputs.OUTCOME_SCHEMA},
@@ -186,16 +232,20 @@ def invocation_detail(found: store.Detail) -> dict[str, Any]:
     }
 
 
-class InvocationDetailView(RuntimeAPIView):
+class InvocationDetailView(StatementConfirmedView):
     @extend_schema(
         operation_id="get_invocation",
         responses={200: s.InvocationDetailSerializer, **errors(401, 404, 429, 503)},
         summary="State, retry decision, attempts and events of one invocation",
     )
     def get(self, request: Request, invocation_id: str) -> Response:
+        runtime = runtime_of(request)
         found = store.detail(
-            invocation_id=valid_path_id(invocation_id), runtime_id=runtime_of(request).pk
+            invocation_id=valid_path_id(invocation_id),
+            runtime_id=runtime.pk,
+            confirm_token=runtime.unconfirmed_token_id,
         )
+        runtime.unconfirmed_token_id = None
         if found is None:
             raise NotFound("no such invocation")
         return Response(invocation_detail(found))
@@ -242,7 +292,7 @@ class InvocationListView(RuntimeAPIView):
         return Response({"results": [services.typed_state(row) for row in page], "next": next_url})
 
 
-class EvidenceView(RuntimeAPIView):
+class EvidenceView(StatementConfirmedView):
     max_body_bytes = settings.LEDGER_MAX_BATCH_BODY_BYTES
 
     @extend_schema(

@@ -162,3 +162,23 @@ def test_a_malformed_throttle_rate_stops_the_ledger_from_starting(
         env_rate("LEDGER_THROTTLE_RATE", "50000/min")
     monkeypatch.setenv("LEDGER_THROTTLE_RATE", "600/minute")
     assert env_rate("LEDGER_THROTTLE_RATE", "50000/min") == "600/minute"
+
+
+def test_a_runtimes_name_cannot_be_changed_in_the_admin(admin_client: Client) -> None:
+    """Its events name it as their actor, and web processes remember it with its tokens."""
+    runtime = Runtime.objects.create(name="runtime-a")
+
+    response = admin_client.post(
+        f"/admin/ledger/runtime/{runtime.pk}/change/",
+        {
+            "name": "renamed",
+            "created_at_0": "2026-01-01",
+            "created_at_1": "00:00:00",
+            "tokens-TOTAL_FORMS": "0",
+            "tokens-INITIAL_FORMS": "0",
+        },
+    )
+
+    assert response.status_code == 302
+    runtime.refresh_from_db()
+    assert runtime.name == "runtime-a"

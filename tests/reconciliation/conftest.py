@@ -1,9 +1,6 @@
 from __future__ import annotations
 
-import functools
-import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,11 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from django.db import connection
 
 from ledger.models import Capability, Invocation
 from reconciliation.standin import StandInService
-from tests.conftest import wait_for
+from tests.conftest import process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,51 +89,6 @@ class Workers:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
-
-
-def process_env() -> dict[str, str]:
-    """The environment for a process of the project's own on the test database."""
-    from ledger.celery import app
-
-    settings = connection.settings_dict
-    return {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "tests.settings",
-        "DATABASE_URL": f"postgresql://{settings['USER']}@{settings['HOST']}:"
-        f"{settings['PORT'] or 5432}/{settings['NAME']}",
-        "CELERY_BROKER_URL": app.conf.broker_url,
-    }
-
-
-@pytest.fixture
-def web_processes(transactional_db: None) -> Iterator[list[str]]:
-    """Two gunicorn servers of one worker each on the test database: their URLs."""
-    servers: list[tuple[str, subprocess.Popen[bytes]]] = []
-    try:
-        for _ in range(2):
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            process = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "ledger.wsgi", "--bind", f"127.0.0.1:{port}",
-                 "--workers", "1", "--log-level", "warning"],
-                cwd=ROOT, env={**process_env(), "LOG_LEVEL": "WARNING"},
-            )  # fmt: skip
-            servers.append((f"http://127.0.0.1:{port}", process))
-        for url, _ in servers:
-            wait_for(functools.partial(_answers, f"{url}/healthz"))
-        yield [url for url, _ in servers]
-    finally:
-        for _, process in servers:
-            process.terminate()
-            process.wait(timeout=20)
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 @pytest.fixture
