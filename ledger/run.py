@@ -10,11 +10,13 @@ run beside it reach the same database and broker. Ctrl-C stops everything.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 BIND = os.environ.get("LEDGER_BIND", "127.0.0.1:8000")
@@ -26,12 +28,54 @@ def start_embedded_postgres() -> object:
     from ledger import settings
 
     settings.EMBEDDED_PG_DIR.mkdir(parents=True, exist_ok=True)
+    clear_crash_leftovers(settings.EMBEDDED_PG_DIR)
     server = pgserver.get_server(settings.EMBEDDED_PG_DIR, cleanup_mode="stop")
     exists = server.psql("SELECT 1 FROM pg_database WHERE datname = 'ledger';")
     if "(1 row)" not in exists:
         server.psql("CREATE DATABASE ledger;")
     print(f"embedded PostgreSQL ready in {settings.EMBEDDED_PG_DIR}", flush=True)
     return server
+
+
+def clear_crash_leftovers(pgdata: Path) -> None:
+    """Remove what a crash left in the embedded PostgreSQL's directory.
+
+    Killed with the machine (a crash, a power cut, a container stopped), the ledger
+    leaves files behind that name processes:
+    - postmaster.pid and the socket's lock (.s.PGSQL.<port>.lock, in the same
+      directory) name the server's PID, which can belong to another process after
+      a restart. pgserver then takes that process for the server and starts none,
+      and PostgreSQL refuses to start. Each is removed unless its process is a
+      PostgreSQL of this directory.
+    - pgserver's list of the processes using the server (.handle_pids.json). A dead
+      one stays listed, and pgserver then never stops the server when the ledger
+      stops. Dead processes are taken off.
+    Linux only, through /proc; elsewhere all are left as they are.
+    """
+    if not Path("/proc/self").is_dir():
+        return
+    ours = {os.fsencode(pgdata), os.fsencode(pgdata.resolve())}
+    for lock in [pgdata / "postmaster.pid", *pgdata.glob(".s.PGSQL.*.lock")]:
+        if not lock.exists():
+            continue
+        pid = lock.read_text().split("\n", 1)[0].strip()
+        argv = command_line(int(pid)) if pid.isdigit() else []
+        if not (argv and Path(os.fsdecode(argv[0])).name == "postgres" and ours & set(argv)):
+            lock.unlink()
+            print(f"removed a stale {lock.name} (PID {pid} is not its PostgreSQL)", flush=True)
+    handles = pgdata / ".handle_pids.json"
+    if handles.exists():
+        listed = json.loads(handles.read_text())
+        handles.write_text(json.dumps([pid for pid in listed if command_line(pid)]))
+
+
+def command_line(pid: int) -> list[bytes]:
+    """The process's arguments, or [] if there is no such process."""
+    try:
+        arguments = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return []
+    return arguments.split(b"\0") if arguments else []  # a zombie has none
 
 
 def manage(*args: str) -> None:
