@@ -377,6 +377,12 @@ class Command(BaseCommand):
             "drf_floor_per_second_over_raw_8_clients": round(
                 results["floor_8"]["drf_authenticated_404"]["per_second"] / raw8["per_second"], 3
             ),
+            # What a write costs against a request that does nothing (see README).
+            "api_writes_per_second_over_drf_floor_8_clients": round(
+                results["api_8"]["writes_per_second"]
+                / results["floor_8"]["drf_authenticated_404"]["per_second"],
+                3,
+            ),
             "batch_items_per_second_over_raw_8_clients": round(
                 results["batch_1"]["items_per_second"] / raw8["per_second"], 3
             ),
