@@ -66,7 +66,7 @@ def clear_crash_leftovers(pgdata: Path) -> None:
     handles = pgdata / ".handle_pids.json"
     if handles.exists():
         listed = json.loads(handles.read_text())
-        handles.write_text(json.dumps([pid for pid in listed if command_line(pid)]))
+        handles.write_text(json.dumps([holder for holder in listed if command_line(holder)]))
 
 
 def command_line(pid: int) -> list[bytes]:

@@ -112,14 +112,15 @@ class StatementConfirmedView(RuntimeAPIView):
     def finalize_response(
         self, request: Request, response: Response, *args: Any, **kwargs: Any
     ) -> Response:
-        if self.token is not None and self.runtime and self.runtime.unconfirmed_token_id:
+        runtime, token = self.runtime, self.token
+        if runtime is not None and token is not None and runtime.unconfirmed_token_id:
             try:
-                active = store.active_token(self.token.prefix)
+                active = store.active_token(token.prefix)
             except DatabaseError as error:
                 response = self.handle_exception(error)
             else:
-                self.runtime.unconfirmed_token_id = None
-                if active is None or active.pk != self.token.pk:
+                runtime.unconfirmed_token_id = None
+                if active is None or active.pk != token.pk:
                     response = self.handle_exception(self.revoked())
         return super().finalize_response(request, response, *args, **kwargs)
 

@@ -40,9 +40,14 @@ def embedded(data_dir: Path, then: str) -> subprocess.Popen[str]:
         [sys.executable, "-c", START.format(then=then)],
         cwd=ROOT,
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+# A process that holds on until it is killed: it waits for input that never comes.
+HOLD = "import sys; sys.stdin.read()"
 
 
 def in_group(group: int) -> list[int]:
@@ -74,7 +79,7 @@ def postgres_of(data_dir: Path) -> list[int]:
 
 
 def test_it_starts_after_a_crash_left_its_pid_to_another_process(data_dir: Path) -> None:
-    ledger = embedded(data_dir, then="import time; time.sleep(300)")
+    ledger = embedded(data_dir, then=HOLD)
     assert ledger.stdout is not None
     assert ledger.stdout.readline().startswith("embedded PostgreSQL ready")
     postmaster = int(ledger.stdout.readline())
@@ -87,7 +92,7 @@ def test_it_starts_after_a_crash_left_its_pid_to_another_process(data_dir: Path)
     ledger.wait()
     wait_for(lambda: not in_group(group))
     # After the restart, the dead server's PID belongs to some other process.
-    impostor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    impostor = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE)
     try:
         locks = [data_dir / "pg" / "postmaster.pid", *(data_dir / "pg").glob(".s.PGSQL.*.lock")]
         assert len(locks) == 2
