@@ -139,5 +139,6 @@ class RuntimeAdmin(admin.ModelAdmin):
     ) -> tuple[str, ...]:
         # The name is the runtime's identity in the audit trail: every event it
         # records names it as actor (`runtime:<name>`), and a rename would orphan
-        # them. Web processes also remember it with the runtime's tokens.
+        # them. Web processes also remember it with the runtime's tokens. PostgreSQL
+        # refuses a rename too (migration 0018); here the form does not offer one.
         return ("name",) if obj is not None else ()

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from django.core.management import call_command
+from django.db import connection, transaction
+from django.db.utils import ProgrammingError
 from django.test import Client
 
 from ledger.models import Capability, Invocation, Runtime, RuntimeToken
@@ -182,3 +184,31 @@ def test_a_runtimes_name_cannot_be_changed_in_the_admin(admin_client: Client) ->
     assert response.status_code == 302
     runtime.refresh_from_db()
     assert runtime.name == "runtime-a"
+
+
+def rename_with_the_orm(runtime: Runtime) -> None:
+    Runtime.objects.filter(pk=runtime.pk).update(name="renamed")
+
+
+def rename_with_sql(runtime: Runtime) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE ledger_runtime SET name = 'renamed' WHERE id = %s", [runtime.pk])
+
+
+@pytest.mark.parametrize("rename", [rename_with_the_orm, rename_with_sql])
+def test_postgres_refuses_to_rename_a_runtime(db: None, rename: Callable[[Runtime], None]) -> None:
+    runtime = Runtime.objects.create(name="runtime-a")
+
+    with (
+        pytest.raises(ProgrammingError, match="name is immutable: runtime-a cannot become"),
+        transaction.atomic(),
+    ):
+        rename(runtime)
+
+    runtime.refresh_from_db()
+    assert runtime.name == "runtime-a"
+    # What leaves the name as it is still saves: the admin's change form does this.
+    runtime.created_at = runtime.created_at.replace(year=2025)
+    runtime.save()
+    runtime.refresh_from_db()
+    assert runtime.created_at.year == 2025
