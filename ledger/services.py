@@ -618,6 +618,17 @@ def record_outcome(*, runtime: Runtime, outcome: OutcomeInput) -> Applied:
     return _single(runtime, outcome)
 
 
+def invocation_detail(*, runtime: Runtime, invocation_id: str) -> store.Detail | None:
+    """The runtime's own invocation with its attempts, outcomes and events, or None."""
+    found = store.detail(
+        invocation_id=invocation_id,
+        runtime_id=runtime.pk,
+        confirm_token=runtime.unconfirmed_token_id,
+    )
+    runtime.unconfirmed_token_id = None
+    return found
+
+
 def invocation_transition(
     *,
     invocation_id: str,

@@ -181,7 +181,7 @@ class OutcomeView(StatementConfirmedView):
         return written(services.record_outcome(runtime=runtime_of(request), outcome=outcome))
 
 
-def invocation_detail(found: store.Detail) -> dict[str, Any]:
+def detail_body(found: store.Detail) -> dict[str, Any]:
     invocation = found.invocation
     attempts = []
     for attempt, outcome in found.attempts:
@@ -240,16 +240,12 @@ class InvocationDetailView(StatementConfirmedView):
         summary="State, retry decision, attempts and events of one invocation",
     )
     def get(self, request: Request, invocation_id: str) -> Response:
-        runtime = runtime_of(request)
-        found = store.detail(
-            invocation_id=valid_path_id(invocation_id),
-            runtime_id=runtime.pk,
-            confirm_token=runtime.unconfirmed_token_id,
+        found = services.invocation_detail(
+            runtime=runtime_of(request), invocation_id=valid_path_id(invocation_id)
         )
-        runtime.unconfirmed_token_id = None
         if found is None:
             raise NotFound("no such invocation")
-        return Response(invocation_detail(found))
+        return Response(detail_body(found))
 
 
 class ListQuerySerializer(s.StrictSerializer):

@@ -323,6 +323,12 @@ class Command(BaseCommand):
             conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(bench_db)))
         env = {**os.environ, "DATABASE_URL": self.url(database, bench_db)}
         subprocess.run([sys.executable, "manage.py", "migrate", "-v", "0"], env=env, check=True)
+        # As `make run` does; without it, each gunicorn worker warns that it is missing.
+        subprocess.run(
+            [sys.executable, "manage.py", "collectstatic", "--no-input", "-v", "0"],
+            env=env,
+            check=True,
+        )
         token = (
             subprocess.run(
                 [sys.executable, "manage.py", "create_runtime", "bench"],
