@@ -70,6 +70,38 @@ FLOOR_REQUESTS = [
 ARGUMENTS = {"order": "SO-1", "amount": "12.50", "currency": "EUR", "reason": "damaged"}
 
 
+# Issue #2's bars, each (name, figure, comparison, bar); a figure is computed from the
+# results in `target_figures`.
+TARGETS = (
+    ("intent p50 at 1 client within 6x the raw insert's", "intent_over_raw_p50", "<=", 6.0),
+    ("API writes/s at 8 clients at least 20% of raw inserts/s", "writes_over_raw_8", ">=", 0.2),
+    ("batch items/s at least 5,000 (the better of 1 and 2 clients)", "batch_items", ">=", 5000),
+)
+
+
+def target_figures(results: dict[str, Any]) -> dict[str, float]:
+    ratios = results["ratios"]
+    return {
+        "intent_over_raw_p50": ratios["intent_p50_over_raw_p50_1_client"],
+        "writes_over_raw_8": ratios["api_writes_per_second_over_raw_8_clients"],
+        "batch_items": max(results[f"batch_{n}"]["items_per_second"] for n in (1, 2)),
+    }
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of the bars with this run's figure and whether the figure meets it."""
+    figures = target_figures(results)
+    return [
+        {
+            "target": name,
+            "figure": figures[key],
+            "bar": bar,
+            "met": figures[key] <= bar if comparison == "<=" else figures[key] >= bar,
+        }
+        for name, key, comparison, bar in TARGETS
+    ]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -398,6 +430,7 @@ class Command(BaseCommand):
                 3,
             ),
         }
+        results["targets"] = targets(results)
         self.report(results)
 
     def reconciliation(self, conninfo: str, bench_db: str) -> dict[str, Any]:
@@ -639,6 +672,9 @@ class Command(BaseCommand):
             out(f"ratio {name}: {value}")
         for name, values in results["per_round_ratios"].items():
             out(f"ratio {name}, round by round: {', '.join(map(str, values))}")
+        for target in results["targets"]:
+            verdict = "met" if target["met"] else "NOT met"
+            out(f"target {target['target']}: {target['figure']} -> {verdict}")
         rec = results["reconciliation"]
         out(
             f"sweep: {rec['overdue']} overdue among {rec['terminal']} terminal flagged in "
