@@ -13,7 +13,8 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
   invocation answered 404 after token authentication): what a request costs this
   stack before the ledger does any work, the ceiling for any API write;
 - raw, api and floor alternate in `--rounds` slices (5 by default), so that each
-  ratio compares figures taken under the same drift of the machine's speed;
+  ratio compares figures taken under the same drift of the machine's speed; during
+  the 8-client slices, the CPU each process group spends, from /proc;
 - batch: POST /api/v1/evidence with 1,000 intents per request, 1 and 2 clients,
   and the floor of its rows: the same rows copied by one SQL statement per 1,000;
 - reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
@@ -291,6 +292,67 @@ def batch_rows_worker(
     queue.put(written)
 
 
+# CPU ----------------------------------------------------------------------------
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(web_pid: int) -> dict[str, float]:
+    """CPU used so far, from /proc: by gunicorn, PostgreSQL, this process's client
+    processes and the whole machine.
+
+    A process's own time plus the time of the children it has reaped: the postmaster
+    reaps the backends of the raw clients' connections and this process its clients,
+    so nothing spent between two samples is lost when a process exits. PostgreSQL
+    counts only if it runs on this machine.
+    """
+    used = {"web": 0.0, "postgres": 0.0, "clients": 0.0}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:  # it exited meanwhile
+            continue
+        pid = int(entry.name)
+        command = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parent = int(fields[1])
+        ticks = sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+        if pid == web_pid or parent == web_pid:
+            used["web"] += ticks / CLOCK_TICKS
+        elif command == "postgres":
+            used["postgres"] += ticks / CLOCK_TICKS
+        elif pid == os.getpid():
+            used["clients"] += ticks / CLOCK_TICKS
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9]
+        )
+    used["machine"] = (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+    return used
+
+
+@contextlib.contextmanager
+def cpu_spent(web_pid: int, into: dict[str, float]) -> Iterator[None]:
+    """Adds to `into` the CPU spent in the block, by the groups of `cpu_seconds`."""
+    before = cpu_seconds(web_pid)
+    yield
+    after = cpu_seconds(web_pid)
+    for group, seconds in after.items():
+        into[group] = into.get(group, 0.0) + seconds - before[group]
+
+
+def cpu_per_operation(spent: dict[str, float], operations: int) -> dict[str, float]:
+    """Milliseconds of CPU per operation; `other` is the machine's rest (kernel, idle
+    processes), never below zero."""
+    per = {group: 1000 * seconds / operations for group, seconds in spent.items()}
+    accounted = per["web"] + per["postgres"] + per["clients"]
+    per["other"] = max(per["machine"] - accounted, 0.0)
+    return {group: round(ms, 3) for group, ms in per.items()}
+
+
 def run_clients(
     target: Callable[..., None], clients: int, args: tuple[Any, ...], seconds: float
 ) -> tuple[list[Any], float]:
@@ -373,9 +435,9 @@ class Command(BaseCommand):
             )
             conn.execute(RAW_TABLE)
         results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}}
-        with self.gunicorn(env, options["web_workers"], options["web_threads"]) as port:
+        with self.gunicorn(env, options["web_workers"], options["web_threads"]) as (port, pid):
             rounds = options["rounds"]
-            results.update(self.interleaved(port, token, bench_conninfo, seconds, rounds))
+            results.update(self.interleaved(port, pid, token, bench_conninfo, seconds, rounds))
             for clients in (1, 2):
                 # A batch finishes after the deadline: count the time it really took.
                 sent, elapsed = run_clients(batch_worker, clients, (port, token), seconds)
@@ -516,7 +578,7 @@ class Command(BaseCommand):
 
     @staticmethod
     def interleaved(
-        port: int, token: str, conninfo: str, seconds: float, rounds: int
+        port: int, web_pid: int, token: str, conninfo: str, seconds: float, rounds: int
     ) -> dict[str, Any]:
         """raw, api and floor at 1 and 8 clients, in `rounds` alternating slices.
 
@@ -525,8 +587,13 @@ class Command(BaseCommand):
         minutes apart measures that drift too. Alternating short slices gives each
         figure the same mix of fast and slow moments; the per-round ratios show how
         much they still move.
+
+        At 8 clients it also adds up the CPU each kind of request costs, by process.
         """
         latencies: dict[str, list[float]] = {}
+        # CPU spent at 8 clients, by group, and the operations it was spent on.
+        cpu: dict[str, dict[str, float]] = {"raw": {}, "api": {}, "floor": {}}
+        done = {"raw": 0, "api": 0, "floor": 0}
         elapsed: dict[str, float] = {}
         per_round: dict[str, list[float]] = {"intent_over_raw_p50": [], "writes_over_raw_8": []}
 
@@ -534,13 +601,19 @@ class Command(BaseCommand):
             latencies.setdefault(name, []).extend(values)
             elapsed[name] = elapsed.get(name, 0.0) + seconds_taken
 
+        def spent(kind: str, clients: int) -> contextlib.AbstractContextManager[None]:
+            # Only the 8-client slices keep both cores busy.
+            return cpu_spent(web_pid, cpu[kind]) if clients == 8 else contextlib.nullcontext()
+
         share = seconds / rounds
         for _ in range(rounds):
             for clients in (1, 8):
-                raw, raw_took = run_clients(raw_worker, clients, (conninfo,), share)
+                with spent("raw", clients):
+                    raw, raw_took = run_clients(raw_worker, clients, (conninfo,), share)
                 raw_latencies = [x for chunk in raw for x in chunk]
                 add(f"raw_{clients}", raw_latencies, raw_took)
-                api, took = run_clients(api_worker, clients, (port, token), share)
+                with spent("api", clients):
+                    api, took = run_clients(api_worker, clients, (port, token), share)
                 intents = [x for chunk, _ in api for x in chunk]
                 add(f"api_{clients}.intent", intents, took)
                 add(f"api_{clients}.outcome", [x for _, chunk in api for x in chunk], took)
@@ -551,7 +624,12 @@ class Command(BaseCommand):
                     # Each intent has its outcome: two writes.
                     ratio = (2 * len(intents) / took) / (len(raw_latencies) / raw_took)
                     per_round["writes_over_raw_8"].append(round(ratio, 3))
-                floor, took = run_clients(floor_worker, clients, (port, token), share)
+                    done["raw"] += len(raw_latencies)
+                    done["api"] += 2 * len(intents)
+                with spent("floor", clients):
+                    floor, took = run_clients(floor_worker, clients, (port, token), share)
+                if clients == 8:
+                    done["floor"] += sum(len(times) for chunk in floor for times in chunk.values())
                 for name, _, _ in FLOOR_REQUESTS:
                     # Each client spends an equal share of the slice on each kind of request.
                     add(
@@ -559,7 +637,12 @@ class Command(BaseCommand):
                         [x for chunk in floor for x in chunk[name]],
                         took / len(FLOOR_REQUESTS),
                     )
-        results: dict[str, Any] = {"per_round_ratios": per_round}
+        results: dict[str, Any] = {
+            "per_round_ratios": per_round,
+            "cpu_ms_per_operation_8_clients": {
+                kind: cpu_per_operation(cpu[kind], done[kind]) for kind in cpu
+            },
+        }
         for name, values in latencies.items():
             group, _, kind = name.partition(".")
             figures = summary(values, elapsed[name], len(values))
@@ -584,7 +667,10 @@ class Command(BaseCommand):
         return f"postgresql://{user}{password}@{host}{port}/{name}"
 
     @contextlib.contextmanager
-    def gunicorn(self, env: dict[str, str], workers: int, threads: int) -> Iterator[int]:
+    def gunicorn(
+        self, env: dict[str, str], workers: int, threads: int
+    ) -> Iterator[tuple[int, int]]:
+        """Serves the bench database; yields the port and the master's pid."""
         port = free_port()
         server = subprocess.Popen(
             [
@@ -607,7 +693,7 @@ class Command(BaseCommand):
                 raise RuntimeError("gunicorn did not come up")
             # Warm every worker's connection pool and imports before measuring.
             run_clients(api_worker, 8, (port, self.token_for_warmup(env)), 2.0)
-            yield port
+            yield port, server.pid
         finally:
             server.terminate()
             server.wait(timeout=30)
@@ -663,6 +749,12 @@ class Command(BaseCommand):
             out(f"ratio {name}: {value}")
         for name, values in results["per_round_ratios"].items():
             out(f"ratio {name}, round by round: {', '.join(map(str, values))}")
+        names = {"raw": "raw insert", "api": "API write", "floor": "floor request"}
+        for kind, per in results["cpu_ms_per_operation_8_clients"].items():
+            split = ", ".join(
+                f"{group} {per[group]}" for group in ("web", "postgres", "clients", "other")
+            )
+            out(f"CPU ms per {names[kind]} at 8 clients: {per['machine']} ({split})")
         for target in results["targets"]:
             verdict = "met" if target["met"] else "NOT met"
             out(f"target {target['target']}: {target['figure']} -> {verdict}")
