@@ -295,6 +295,8 @@ def batch_rows_worker(
 # CPU ----------------------------------------------------------------------------
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# Elsewhere than on Linux the benchmark runs without its CPU split.
+HAS_PROC = Path("/proc/stat").exists()
 
 
 def cpu_seconds(web_pid: int) -> dict[str, float]:
@@ -603,7 +605,9 @@ class Command(BaseCommand):
 
         def spent(kind: str, clients: int) -> contextlib.AbstractContextManager[None]:
             # Only the 8-client slices keep both cores busy.
-            return cpu_spent(web_pid, cpu[kind]) if clients == 8 else contextlib.nullcontext()
+            if clients == 8 and HAS_PROC:
+                return cpu_spent(web_pid, cpu[kind])
+            return contextlib.nullcontext()
 
         share = seconds / rounds
         for _ in range(rounds):
@@ -640,7 +644,7 @@ class Command(BaseCommand):
         results: dict[str, Any] = {
             "per_round_ratios": per_round,
             "cpu_ms_per_operation_8_clients": {
-                kind: cpu_per_operation(cpu[kind], done[kind]) for kind in cpu
+                kind: cpu_per_operation(cpu[kind], done[kind]) for kind in cpu if cpu[kind]
             },
         }
         for name, values in latencies.items():
