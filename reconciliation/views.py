@@ -8,6 +8,7 @@ JavaScript). Permissions are checked here, never only in templates.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 from django.contrib import messages
@@ -96,6 +97,13 @@ def timeline(invocation: Invocation) -> list[dict[str, Any]]:
     return entries
 
 
+def as_json(value: Any) -> str | None:
+    """Stored JSON as people read it: indented, keys sorted, non-ASCII as written."""
+    if value is None:
+        return None
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+
+
 def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str, Any]:
     user_roles = roles(request.user)
     flagged = invocation.status in FLAGGED
@@ -104,6 +112,7 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     events = timeline(invocation)
     return {
         "invocation": invocation,
+        "arguments": as_json(invocation.arguments),
         "state": invocation.state(),
         "timeline": events,
         "attempts": invocation.attempts.select_related("outcome").order_by("number"),

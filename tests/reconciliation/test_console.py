@@ -292,3 +292,26 @@ def test_anonymous_and_outsider_posts_change_nothing(
     )
     assert outsider.status_code == 403
     assert Invocation.objects.get().event_count == before
+
+
+def test_the_invocation_page_shows_arguments_as_json_and_the_outcomes_error(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    api.intent(arguments={"order": "SO-1", "amount": "12.50", "api_key": "k-123"}, attempt_id="a1")
+    api.outcome(
+        "inv-1",
+        "a1",
+        kind="post_dispatch_evidence_failed",
+        error={"code": "recorder_timeout", "message": "the gateway lost the answer"},
+    )
+
+    page = operator.get("/invocations/inv-1/").content.decode()
+
+    shown = re.search(r'<pre class="json">(.*?)</pre>', page, re.DOTALL)
+    assert shown is not None
+    # HTML-escaped JSON with sorted keys; the secret-looking key masked as stored.
+    assert shown.group(1) == (
+        "{\n  &quot;amount&quot;: &quot;12.50&quot;,\n  &quot;api_key&quot;: "
+        "&quot;[redacted]&quot;,\n  &quot;order&quot;: &quot;SO-1&quot;\n}"
+    )
+    assert "<code>recorder_timeout</code> the gateway lost the answer" in page
