@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, User
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
@@ -108,6 +108,27 @@ def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
     events = Invocation.objects.get(invocation_id="inv-2").events
     approved = events.get(kind="resolution_approved").data
     assert (approved["proposed_by"], approved["approved_by"]) == ("user:olga", "user:abe")
+
+
+def test_no_page_logs_an_error_in_the_browser(
+    browser: Browser, live_server: Any, flagged: None
+) -> None:
+    """Nothing the pages or htmx do is refused by their Content-Security-Policy."""
+    user("ada", "admin")
+    page = log_in(browser, live_server.url, "ada", True)
+    errors: list[str] = []
+
+    def note_errors(message: ConsoleMessage) -> None:
+        if message.type == "error":
+            errors.append(message.text)
+
+    page.on("console", note_errors)
+    for path in ("/", "/dashboard/", "/invocations/inv-2/", "/audit/", "/audit/actions/",
+                 "/audit/verify/?run=1"):  # fmt: skip
+        page.goto(f"{live_server.url}{path}")
+        page.wait_for_load_state("load")
+        expect(page.locator("h1")).to_be_visible()
+    assert errors == []
 
 
 def test_screenshots_of_the_console(
