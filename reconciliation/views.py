@@ -97,6 +97,22 @@ def timeline(invocation: Invocation) -> list[dict[str, Any]]:
     return entries
 
 
+def probe_run_row(event: Event) -> dict[str, Any]:
+    """A probe_run event as the page shows it. Without a probe (no finding) the event
+    holds no request, answer or timing: the invocation was handed to people."""
+    data = event.data
+    request = data.get("request") or {}
+    return {
+        "try": data.get("try_number"),
+        "when": event.created_at,
+        "finding": data.get("finding") or "no probe: handed to a person",
+        "business_reference": data.get("business_reference"),
+        "url": request.get("url"),
+        "answer": request.get("status") or data.get("detail"),
+        "duration_ms": data.get("duration_ms"),
+    }
+
+
 def as_json(value: Any) -> str | None:
     """Stored JSON as people read it: indented, keys sorted, non-ASCII as written."""
     if value is None:
@@ -116,7 +132,7 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
         "state": invocation.state(),
         "timeline": events,
         "attempts": invocation.attempts.select_related("outcome").order_by("number"),
-        "probe_runs": [e["event"] for e in events if e["event"].kind == "probe_run"],
+        "probe_runs": [probe_run_row(e["event"]) for e in events if e["event"].kind == "probe_run"],
         "can_act": flagged and bool(user_roles & set(ACTORS)),
         "can_decide": invocation.status == policy.Status.RESOLUTION_PROPOSED
         and bool(user_roles & {"approver", "admin"})

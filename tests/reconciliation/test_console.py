@@ -13,7 +13,10 @@ from django.test.utils import CaptureQueriesContext
 
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
+from reconciliation.standin import StandInService
+from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api
+from tests.reconciliation.conftest import perform_refund
 
 
 def person(name: str, *groups: str) -> Client:
@@ -315,3 +318,41 @@ def test_the_invocation_page_shows_arguments_as_json_and_the_outcomes_error(
         "&quot;[redacted]&quot;,\n  &quot;order&quot;: &quot;SO-1&quot;\n}"
     )
     assert "<code>recorder_timeout</code> the gateway lost the answer" in page
+
+
+def probe_rows(page: bytes) -> str:
+    found = re.search(r'<table class="probes">.*?<tbody>(.*?)</tbody>', page.decode(), re.DOTALL)
+    assert found is not None
+    return found.group(1)
+
+
+def test_the_probe_runs_table_shows_what_was_asked_and_answered(
+    api: Api, refunds: Capability, standin: StandInService, operator: Client
+) -> None:
+    api.intent(attempt_id="a1")
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+    refund = perform_refund(standin, "refund-SO-1").json()
+    reconcile_invocation.run("inv-1")
+
+    row = probe_rows(operator.get("/invocations/inv-1/").content)
+
+    assert "<td>effect_present</td>" in row
+    assert f"<td>{refund['id']}</td>" in row
+    assert "idempotency_key=refund-SO-1</code>" in row
+    assert "<td>200</td>" in row
+    assert re.search(r"<td>\d+ ms</td>", row)
+
+
+def test_an_invocation_escalated_for_want_of_a_probe_shows_its_page(
+    flagged: str, operator: Client
+) -> None:
+    """The probe run of a capability without a probe records no finding and no detail:
+    the page once answered 500 for exactly the invocations handed to people."""
+    reconcile_invocation.run(flagged)
+    assert Invocation.objects.get().cause == "no_probe"
+
+    response = operator.get(f"/invocations/{flagged}/")
+
+    assert response.status_code == 200
+    assert "<td>no probe: handed to a person</td>" in probe_rows(response.content)
