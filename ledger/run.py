@@ -10,12 +10,14 @@ run beside it reach the same database and broker. Ctrl-C stops everything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 
@@ -105,7 +107,7 @@ def main() -> int:
         ],
         "beat": [python, "-m", "celery", "-A", "ledger", "beat", "--loglevel", "INFO"],
     }  # fmt: skip
-    children = {name: subprocess.Popen(command) for name, command in commands.items()}
+    children = {name: start(command) for name, command in commands.items()}
     print(
         f"ledger running: http://{BIND}/api/docs/ (web), Celery worker and beat. "
         "Create a runtime token with `uv run python manage.py create_runtime NAME`. "
@@ -115,12 +117,12 @@ def main() -> int:
 
     stopping = False
 
-    def stop(signum: int, frame: FrameType | None) -> None:
+    def request_stop(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
 
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
     exit_code = 0
     while not stopping:
         for name, child in children.items():
@@ -128,16 +130,40 @@ def main() -> int:
                 print(f"{name} exited with {child.returncode}; stopping the ledger", flush=True)
                 exit_code, stopping = 1, True
         time.sleep(0.5)
-    for child in children.values():
-        if child.poll() is None:
-            child.terminate()
-    for child in children.values():
-        try:
-            child.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            child.kill()
+    stop(children.values())
     del server  # pgserver stops the embedded PostgreSQL when the last user lets go
     return exit_code
+
+
+def start(command: list[str]) -> subprocess.Popen[bytes]:
+    """A child in a process group of its own, led by it.
+
+    Ctrl-C in a terminal signals the whole foreground group. In it, each gunicorn
+    worker got SIGINT from the terminal and SIGQUIT from its master at the same
+    moment; gunicorn's gthread worker shuts its thread pool down in both handlers,
+    and when the second arrived inside the first, it deadlocked on the pool's lock
+    and outlived everything, holding the port (seen with py-spy). Out of that
+    group, each child hears only the SIGTERM `stop` sends it.
+    """
+    return subprocess.Popen(command, process_group=0)
+
+
+def stop(children: Iterable[subprocess.Popen[bytes]], timeout: float = 15) -> None:
+    """SIGTERM to each child (gunicorn and Celery then stop their own processes
+    gracefully), then, after at most `timeout` seconds, SIGKILL to whatever is left
+    in each child's group: nothing of the ledger outlives it, not even a process its
+    parent failed to stop."""
+    children = list(children)
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=max(deadline - time.monotonic(), 0))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
 
 
 if __name__ == "__main__":

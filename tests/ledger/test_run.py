@@ -1,10 +1,13 @@
-"""`make run`'s embedded PostgreSQL starts again after a crash, and stops with the ledger."""
+"""`make run`: its embedded PostgreSQL starts again after a crash and stops with the
+ledger, and Ctrl-C leaves no process of the ledger behind."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, wait_for
+from ledger import run
+from tests.conftest import ROOT, _answers, process_env, wait_for
 
 START = (
     "from ledger.run import start_embedded_postgres; server = start_embedded_postgres(); "
@@ -111,3 +115,84 @@ def test_it_starts_after_a_crash_left_its_pid_to_another_process(data_dir: Path)
     finally:
         impostor.kill()
         impostor.wait()
+
+
+# A parent that starts a child and then waits: the child is what a gunicorn master
+# leaves behind when it dies before its worker.
+PARENT = (
+    "import signal, subprocess, sys; "
+    "subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()']); "
+    "signal.pause()"
+)
+
+
+def test_stopping_a_child_stops_what_it_left_behind() -> None:
+    parent = run.start([sys.executable, "-c", PARENT])
+    try:
+        assert os.getpgid(parent.pid) == parent.pid  # a group of its own
+        wait_for(lambda: len(in_group(parent.pid)) == 2)
+
+        run.stop([parent], timeout=5)
+
+        assert parent.returncode == -signal.SIGTERM
+        wait_for(lambda: not in_group(parent.pid), seconds=5)
+    finally:
+        for pid in in_group(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes below `pid`."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except FileNotFoundError:
+            continue
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(proc.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(transactional_db: None) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # In a session of its own, like `make run` in a terminal: Ctrl-C signals its group.
+    ledger = subprocess.Popen(
+        [sys.executable, "-m", "ledger.run"],
+        cwd=ROOT,
+        env={**process_env(), "LEDGER_BIND": f"127.0.0.1:{port}", "WEB_WORKERS": "2"},
+        start_new_session=True,
+    )
+    processes: set[int] = set()
+    try:
+        wait_for(functools.partial(_answers, f"http://127.0.0.1:{port}/readyz"), seconds=120)
+        # gunicorn, its two workers, the Celery worker with its pool, and beat.
+        wait_for(lambda: len(descendants(ledger.pid)) >= 6)
+        processes = descendants(ledger.pid)
+
+        os.killpg(ledger.pid, signal.SIGINT)
+
+        assert ledger.wait(timeout=60) == 0
+        assert [pid for pid in processes if alive(pid)] == []
+        with socket.socket() as sock:
+            assert sock.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        ledger.kill()
+        ledger.wait()
+        for pid in processes | descendants(ledger.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
