@@ -53,8 +53,18 @@ def flagged(api: Api, refund: Capability) -> None:
         flag_missing_evidence(invocation_id=f"inv-{n}", now=deadline)
 
 
-def log_in(browser: Browser, base: str, name: str, javascript: bool) -> Page:
+def log_in(
+    browser: Browser, base: str, name: str, javascript: bool, errors: list[str] | None = None
+) -> Page:
+    """A logged-in page; with `errors`, every error the browser logs goes there."""
     page = browser.new_context(java_script_enabled=javascript).new_page()
+    if errors is not None:
+
+        def note_errors(message: ConsoleMessage) -> None:
+            if message.type == "error":
+                errors.append(f"{message.text} ({message.location.get('url')})")
+
+        page.on("console", note_errors)
     page.goto(f"{base}/accounts/login/")
     page.fill("#id_username", name)
     page.fill("#id_password", "correct horse")
@@ -113,16 +123,11 @@ def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
 def test_no_page_logs_an_error_in_the_browser(
     browser: Browser, live_server: Any, flagged: None
 ) -> None:
-    """Nothing the pages or htmx do is refused by their Content-Security-Policy."""
+    """Nothing the pages or htmx do is refused by their Content-Security-Policy, and
+    nothing they load is missing (the favicon included)."""
     user("ada", "admin")
-    page = log_in(browser, live_server.url, "ada", True)
     errors: list[str] = []
-
-    def note_errors(message: ConsoleMessage) -> None:
-        if message.type == "error":
-            errors.append(message.text)
-
-    page.on("console", note_errors)
+    page = log_in(browser, live_server.url, "ada", True, errors)
     for path in ("/", "/dashboard/", "/invocations/inv-2/", "/audit/", "/audit/actions/",
                  "/audit/verify/?run=1"):  # fmt: skip
         page.goto(f"{live_server.url}{path}")
