@@ -123,8 +123,8 @@ def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
 def test_no_page_logs_an_error_in_the_browser(
     browser: Browser, live_server: Any, flagged: None
 ) -> None:
-    """Nothing the pages or htmx do is refused by their Content-Security-Policy, and
-    nothing they load is missing (the favicon included)."""
+    """Nothing the pages, htmx or the API docs do is refused by their
+    Content-Security-Policy, and nothing they load is missing (the favicon included)."""
     user("ada", "admin")
     errors: list[str] = []
     page = log_in(browser, live_server.url, "ada", True, errors)
@@ -133,6 +133,9 @@ def test_no_page_logs_an_error_in_the_browser(
         page.goto(f"{live_server.url}{path}")
         page.wait_for_load_state("load")
         expect(page.locator("h1")).to_be_visible()
+    page.goto(f"{live_server.url}/api/docs/")
+    expect(page.locator(".swagger-ui .info .title")).to_contain_text("Invocation Ledger API")
+    expect(page.locator(".opblock").first).to_be_visible()
     assert errors == []
 
 
