@@ -8,20 +8,16 @@ from typing import Any
 from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404
 from psycopg_pool import PoolTimeout
-from rest_framework import exceptions, status
+from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from ledger.api.parsers import PayloadTooLarge
 from ledger.services import LedgerError
 
 log = logging.getLogger(__name__)
 
 DATABASE_DOWN = (OperationalError, InterfaceError, PoolTimeout)
-
-
-class PayloadTooLarge(exceptions.APIException):
-    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
-    default_code = "payload_too_large"
 
 
 def error_body(type: str, message: str, details: Any = None) -> dict[str, Any]:

@@ -219,6 +219,19 @@ BAD_BODIES = [
         "malformed_request",
         None,
     ),
+    # RFC 8785 forbids them; the runtime's parser may have kept the first value.
+    (
+        "duplicate key",
+        '{"invocation_id": "inv-1", "invocation_id": "inv-2", "task_id": "t"}',
+        "malformed_request",
+        None,
+    ),
+    (
+        "duplicate key in arguments",
+        '{"invocation_id": "inv-1", "arguments": {"amount": "1", "amount": "9"}}',
+        "malformed_request",
+        None,
+    ),
     ("array", "[]", "validation_failed", "non_field_errors"),
     ("unknown field", {**intent_body(), "colour": "red"}, "validation_failed", "colour"),
     (
@@ -317,6 +330,23 @@ def test_a_lone_surrogate_is_named_as_such(api: Api, refund: Capability) -> None
     status, answer = api.post("/api/v1/intents", raw)
     assert (status, answer["error"]["type"]) == (400, "malformed_request")
     assert "lone UTF-16 surrogate" in answer["error"]["message"]
+
+
+def test_a_duplicate_key_is_named(api: Api, refund: Capability) -> None:
+    raw = '{"invocation_id": "inv-1", "arguments": {"a": [{"b": 1, "\\u0062": 2}]}}'
+    status, answer = api.post("/api/v1/intents", raw)
+    assert (status, answer["error"]["type"]) == (400, "malformed_request")
+    assert "the key 'b' appears twice in one object" in answer["error"]["message"]
+    assert counts() == (0, 0, 0)
+
+
+def test_keys_repeated_in_different_objects_and_colons_in_strings_are_fine(
+    api: Api, refund: Capability
+) -> None:
+    arguments = {"order": {"order": "SO:1"}, 'say "a:b"': "c:\\", "lines": [{"n": 1}, {"n": 2}]}
+    status, body = api.intent(arguments=arguments)
+    assert (status, body["status"]) == (201, "recorded")
+    assert Invocation.objects.get().arguments == arguments
 
 
 def test_an_oversized_body_is_refused_with_413(api: Api, settings: object) -> None:
