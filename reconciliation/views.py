@@ -129,6 +129,7 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     return {
         "invocation": invocation,
         "arguments": as_json(invocation.arguments),
+        "has_probe": has_probe(invocation),
         "state": invocation.state(),
         "timeline": events,
         "attempts": invocation.attempts.select_related("outcome").order_by("number"),
@@ -145,8 +146,15 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
 
 def _invocation(invocation_id: str) -> Invocation:
     return get_object_or_404(
-        Invocation.objects.select_related("runtime"), invocation_id=invocation_id
+        Invocation.objects.select_related("runtime", "capability"), invocation_id=invocation_id
     )
+
+
+def has_probe(invocation: Invocation) -> bool:
+    """Whether the capability now names a probe: the reconcile task reads it when it
+    runs. Undeclared capabilities and `none` have none; people decide."""
+    capability = invocation.capability
+    return capability is not None and capability.probe.get("kind", "none") != "none"
 
 
 @require_GET
@@ -254,6 +262,9 @@ def probe_now(request: HttpRequest, invocation_id: str) -> HttpResponse:
         policy.Status.ESCALATED,
     ):
         messages.error(request, f"The invocation is {invocation.status}; no probe to run.")
+        return _after_action(request, invocation_id, "")
+    if not has_probe(invocation):
+        messages.error(request, "Its capability has no probe; resolve it below.")
         return _after_action(request, invocation_id, "")
     services.probe_requested(invocation_id=invocation_id, actor=actor(request))
     reconcile_invocation.delay(invocation_id, force=True)

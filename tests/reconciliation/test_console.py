@@ -272,12 +272,32 @@ def test_resolving_a_settled_invocation_is_refused_with_a_message(
     assert Invocation.objects.get().event_count == settled.event_count
 
 
+def flag(api: Api) -> None:
+    api.intent(attempt_id="a1")
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+
+
 def test_rerunning_the_probe_is_recorded_as_the_operators_action(
-    flagged: str, operator: Client
+    api: Api, refunds: Capability, operator: Client
 ) -> None:
+    flag(api)
+    assert "Re-run probe now" in operator.get("/invocations/inv-1/").content.decode()
     operator.post("/invocations/inv-1/probe")
     event = Invocation.objects.get().events.get(kind="probe_requested")
     assert event.actor == "user:olga"
+
+
+def test_without_a_probe_none_is_offered_or_run(flagged: str, operator: Client) -> None:
+    page = operator.get(f"/invocations/{flagged}/").content.decode()
+    assert "Re-run probe now" not in page
+    assert "Its capability has no probe" in page
+    seen = Invocation.objects.get().event_count
+
+    answer = operator.post(f"/invocations/{flagged}/probe", follow=True).content.decode()
+
+    assert "Its capability has no probe; resolve it below." in answer
+    assert Invocation.objects.get().event_count == seen
 
 
 ACTIONS = ["resolve", "claim", "release", "probe", "approve", "reject"]
@@ -329,9 +349,7 @@ def probe_rows(page: bytes) -> str:
 def test_the_probe_runs_table_shows_what_was_asked_and_answered(
     api: Api, refunds: Capability, standin: StandInService, operator: Client
 ) -> None:
-    api.intent(attempt_id="a1")
-    deadline = Invocation.objects.get().deadline_at
-    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+    flag(api)
     refund = perform_refund(standin, "refund-SO-1").json()
     reconcile_invocation.run("inv-1")
 
