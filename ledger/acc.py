@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -229,11 +229,29 @@ class Skipped:
 
 
 class _JSONCompatibleLoader(yaml.SafeLoader):
-    """YAML read as the JSON it stands for: an unquoted 2026-07-01 stays a string.
+    """YAML read as the JSON it stands for: an unquoted 2026-07-01 stays a string,
+    and a key named twice in one mapping is an error.
 
     OpenAPI documents are JSON in YAML's clothing, and what is imported is stored as
-    JSON; the safe loader would turn such a value into a `date`, which cannot be.
+    JSON; the safe loader would turn such a value into a `date`, which cannot be. It
+    would also keep the last of two `readonly:` in a declaration, where another
+    reader of the same file may keep the first.
     """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: set[Hashable] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:` merges on purpose; its keys may be overridden
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the safe loader refuses it, with its own message
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _JSONCompatibleLoader.yaml_implicit_resolvers = {

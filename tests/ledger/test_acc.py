@@ -199,8 +199,34 @@ def test_the_example_documents_declare_what_they_say(
 
 @pytest.mark.parametrize(
     "text",
-    ["{not yaml: [", "just a string", "[1, 2]", "openapi: 2.0\npaths: {}", "openapi: 3.1.0\n"],
+    [
+        "{not yaml: [",
+        "just a string",
+        "[1, 2]",
+        "openapi: 2.0\npaths: {}",
+        "openapi: 3.1.0\n",
+        "openapi: 3.1.0\npaths: {}\n? {a: 1}\n: unhashable key\n",
+    ],
 )
 def test_a_document_that_is_not_openapi_3_is_refused(text: str) -> None:
     with pytest.raises(acc.NotAnOpenAPIDocument):
         acc.load_document(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "openapi: 3.1.0\npaths: {}\nopenapi: 3.0.0\n",
+        '{"openapi": "3.1.0", "paths": {"/r": {"post": {"x-agent-capability": '
+        '{"readonly": true, "readonly": false}}}}}',
+    ],
+    ids=["yaml", "json"],
+)
+def test_a_document_naming_a_key_twice_is_refused(text: str) -> None:
+    with pytest.raises(acc.NotAnOpenAPIDocument, match="appears twice"):
+        acc.load_document(text)
+
+
+def test_yaml_merge_keys_may_still_be_overridden() -> None:
+    text = "openapi: 3.1.0\nbase: &b {a: 1}\nx: {<<: *b, a: 2}\npaths: {}\n"
+    assert acc.load_document(text)["x"] == {"a": 2}
