@@ -28,12 +28,17 @@ def person(name: str, *groups: str) -> Client:
     return client
 
 
-@pytest.fixture
-def flagged(api: Api, refund: Capability) -> str:
-    Capability.objects.filter(pk=refund.pk).update(risk_level="medium")
+def flag(api: Api) -> None:
+    """inv-1, its attempt a1 past its deadline with no outcome: flagged by the sweep."""
     api.intent(attempt_id="a1")
     deadline = Invocation.objects.get().deadline_at
     assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+
+
+@pytest.fixture
+def flagged(api: Api, refund: Capability) -> str:
+    Capability.objects.filter(pk=refund.pk).update(risk_level="medium")
+    flag(api)
     return "inv-1"
 
 
@@ -270,12 +275,6 @@ def test_resolving_a_settled_invocation_is_refused_with_a_message(
     response = operator.post("/invocations/inv-1/resolve", form, follow=True)
     assert "nothing to resolve" in response.content.decode()
     assert Invocation.objects.get().event_count == settled.event_count
-
-
-def flag(api: Api) -> None:
-    api.intent(attempt_id="a1")
-    deadline = Invocation.objects.get().deadline_at
-    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
 
 
 def test_rerunning_the_probe_is_recorded_as_the_operators_action(
