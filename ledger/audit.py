@@ -126,14 +126,14 @@ def export_rows(invocations: QuerySet[Invocation]) -> Iterator[dict[str, Any]]:
             "subject": invocation.subject,
             "status": invocation.status,
             "cause": invocation.cause,
-            "flags": " ".join(invocation.flags),
+            "flags": list(invocation.flags),
             "seq": event.seq,
             "kind": event.kind,
             "actor": event.actor,
             "created_at": event.created_at.isoformat(),
             "prev_hash": event.prev_hash,
             "hash": event.hash,
-            "data": json.dumps(event.data, sort_keys=True),
+            "data": event.data,
         }
 
 
@@ -143,12 +143,20 @@ class _Echo:
 
 
 def csv_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
+    """One line per event; a cell holds text, so flags are space-separated and the
+    event's data is JSON with sorted keys."""
     writer = csv.DictWriter(_Echo(), fieldnames=EXPORT_COLUMNS)
     yield writer.writeheader()  # type: ignore[func-returns-value]
     for row in rows:
-        yield writer.writerow(row)  # type: ignore[misc]
+        flat = {**row, "flags": " ".join(row["flags"]), "data": _sorted_json(row["data"])}
+        yield writer.writerow(flat)  # type: ignore[misc]
 
 
 def jsonl_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
+    """One JSON object per event: flags a list, data an object with sorted keys."""
     for row in rows:
-        yield json.dumps({**row, "data": json.loads(row["data"])}) + "\n"
+        yield json.dumps({**row, "data": json.loads(_sorted_json(row["data"]))}) + "\n"
+
+
+def _sorted_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)

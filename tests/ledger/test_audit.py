@@ -141,6 +141,16 @@ def test_the_jsonl_export_has_one_event_per_line(history: None, reviewer: Client
     assert records[-1]["kind"] == "resolution" and records[-1]["data"]["note"] == "checked"
 
 
+def test_both_exports_carry_the_flags(history: None, reviewer: Client) -> None:
+    """A list in JSONL; space-separated in a CSV cell."""
+    query = {"invocation_id": "inv-1"}  # payroll.change: not declared
+    jsonl = b"".join(reviewer.get("/audit/export.jsonl", query).streaming_content)  # type: ignore[attr-defined]
+    assert {tuple(json.loads(line)["flags"]) for line in jsonl.splitlines()} == {("undeclared",)}
+    csv_body = b"".join(reviewer.get("/audit/export.csv", query).streaming_content)  # type: ignore[attr-defined]
+    rows = csv.DictReader(io.StringIO(csv_body.decode()))
+    assert {row["flags"] for row in rows} == {"undeclared"}
+
+
 def test_the_action_log_shows_what_people_did(history: None, reviewer: Client) -> None:
     page = reviewer.get("/audit/actions/").content.decode()
     assert page.count("user:olga") == 2 and "checked" in page
