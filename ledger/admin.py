@@ -4,6 +4,7 @@ from typing import Any
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
@@ -122,7 +123,10 @@ class TokenInline(admin.TabularInline):
     extra = 0
     can_delete = False
     fields = ("prefix", "label", "created_at", "revoked_at")
-    readonly_fields = ("prefix", "created_at")
+    # A revocation goes through RuntimeToken.revoke (the action below, or
+    # `manage.py revoke_token`), which records it; editing the date could also
+    # have undone one.
+    readonly_fields = ("prefix", "created_at", "revoked_at")
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False  # tokens are issued by `manage.py create_runtime`, shown once
@@ -133,6 +137,18 @@ class RuntimeAdmin(admin.ModelAdmin):
     list_display = ("name", "created_at")
     search_fields = ("name",)
     inlines = [TokenInline]
+    actions = ["revoke_tokens"]
+
+    @admin.action(description="Revoke every token of the selected runtimes")
+    def revoke_tokens(self, request: HttpRequest, queryset: QuerySet[Runtime]) -> None:
+        actor = f"user:{request.user.get_username()}"
+        tokens = RuntimeToken.objects.active().filter(runtime__in=queryset)
+        revoked = [
+            token.prefix
+            for token in tokens.select_related("runtime")
+            if token.revoke(actor=actor, reason="revoked in the admin")
+        ]
+        self.message_user(request, f"{len(revoked)} token(s) revoked: {', '.join(revoked)}.")
 
     def get_readonly_fields(
         self, request: HttpRequest, obj: Runtime | None = None

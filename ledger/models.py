@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -167,6 +167,22 @@ class RuntimeToken(models.Model):
 
     def matches(self, token: str) -> bool:
         return hmac.compare_digest(self.digest, self.hash(token))
+
+    def revoke(self, *, actor: str, reason: str = "") -> bool:
+        """Revoke it, with an entry in the audit trail's action log; False if it was
+        already revoked. Web processes refuse it from their next statement on."""
+        with transaction.atomic():
+            revoked = RuntimeToken.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
+                revoked_at=timezone.now()
+            )
+            if revoked:
+                AdminAction.objects.create(
+                    actor=actor,
+                    action="token_revoked",
+                    target=f"runtime {self.runtime.name}, token {self.prefix}",
+                    reason=reason,
+                )
+        return bool(revoked)
 
 
 class InvocationQuerySet(models.QuerySet["Invocation"]):

@@ -9,7 +9,7 @@ from django.db import connection, transaction
 from django.db.utils import ProgrammingError
 from django.test import Client
 
-from ledger.models import Capability, Invocation, Runtime, RuntimeToken
+from ledger.models import AdminAction, Capability, Invocation, Runtime, RuntimeToken
 from tests.conftest import Api, intent_body
 
 
@@ -212,3 +212,50 @@ def test_postgres_refuses_to_rename_a_runtime(db: None, rename: Callable[[Runtim
     runtime.save()
     runtime.refresh_from_db()
     assert runtime.created_at.year == 2025
+
+
+def test_the_admin_revokes_every_token_of_a_runtime_and_records_it(admin_client: Client) -> None:
+    runtime = Runtime.objects.create(name="runtime-a")
+    first, _ = RuntimeToken.issue(runtime=runtime)
+    second, _ = RuntimeToken.issue(runtime=runtime)
+    assert first.revoke(actor="cli:earlier", reason="leaked")
+    before = RuntimeToken.objects.get(pk=first.pk).revoked_at
+
+    admin_client.post(
+        "/admin/ledger/runtime/",
+        {"action": "revoke_tokens", "_selected_action": [runtime.pk]},
+    )
+
+    assert RuntimeToken.objects.get(pk=first.pk).revoked_at == before
+    assert RuntimeToken.objects.get(pk=second.pk).revoked_at is not None
+    recorded = AdminAction.objects.filter(action="token_revoked").order_by("id")
+    assert [(a.actor, a.target) for a in recorded] == [
+        ("cli:earlier", f"runtime runtime-a, token {first.prefix}"),
+        ("user:admin", f"runtime runtime-a, token {second.prefix}"),
+    ]
+
+
+def test_a_revocation_cannot_be_undone_in_the_admin(admin_client: Client) -> None:
+    runtime = Runtime.objects.create(name="runtime-a")
+    token, _ = RuntimeToken.issue(runtime=runtime)
+    assert token.revoke(actor="cli:ops")
+
+    response = admin_client.post(
+        f"/admin/ledger/runtime/{runtime.pk}/change/",
+        {
+            "created_at_0": "2026-01-01",
+            "created_at_1": "00:00:00",
+            "tokens-TOTAL_FORMS": "1",
+            "tokens-INITIAL_FORMS": "1",
+            "tokens-0-id": str(token.pk),
+            "tokens-0-runtime": str(runtime.pk),
+            "tokens-0-label": "relabelled",
+            "tokens-0-revoked_at_0": "",
+            "tokens-0-revoked_at_1": "",
+        },
+    )
+
+    assert response.status_code == 302
+    token.refresh_from_db()
+    assert token.label == "relabelled"  # the form was applied
+    assert token.revoked_at is not None

@@ -4,10 +4,8 @@ import getpass
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import transaction
-from django.utils import timezone
 
-from ledger.models import AdminAction, RuntimeToken
+from ledger.models import RuntimeToken
 
 
 class Command(BaseCommand):
@@ -22,17 +20,7 @@ class Command(BaseCommand):
         row = RuntimeToken.objects.select_related("runtime").filter(prefix=prefix).first()
         if row is None:
             raise CommandError(f"no token with prefix {prefix!r}")
-        if row.revoked_at is not None:
+        if not row.revoke(actor=f"cli:{getpass.getuser()}", reason=reason):
             self.stdout.write(f"Token {prefix} of {row.runtime} was already revoked.")
             return
-        with transaction.atomic():
-            RuntimeToken.objects.filter(pk=row.pk, revoked_at__isnull=True).update(
-                revoked_at=timezone.now()
-            )
-            AdminAction.objects.create(
-                actor=f"cli:{getpass.getuser()}",
-                action="token_revoked",
-                target=f"runtime {row.runtime.name}, token {prefix}",
-                reason=reason,
-            )
         self.stdout.write(f"Revoked token {prefix} of runtime {row.runtime}.")
