@@ -41,8 +41,9 @@ class StrictJSONParser(JSONParser):
             raise ParseError("The JSON document is nested too deeply.") from None
         except msgspec.MsgspecError as exc:
             raise ParseError(f"The body is not valid JSON: {_explain(raw, exc)}") from None
-        if _separators(raw) != _keys(value):
-            raise ParseError(f"The body is not valid JSON: {_duplicate(raw)}")
+        # The count is a cheap filter; a second parse decides, and names the key.
+        if _separators(raw) != _keys(value) and (repeated := _duplicate(raw)) is not None:
+            raise ParseError(f"The body is not valid JSON: {repeated}")
         return value
 
 
@@ -75,8 +76,9 @@ def _keys(value: Any) -> int:
     return count
 
 
-def _duplicate(raw: bytes) -> str:
-    """Which key was repeated, found by a second, slower parse that sees every pair."""
+def _duplicate(raw: bytes) -> str | None:
+    """Which key was repeated, found by a second, slower parse that sees every pair;
+    None if none was."""
 
     def refuse_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: dict[str, Any] = {}
@@ -90,7 +92,7 @@ def _duplicate(raw: bytes) -> str:
         json.loads(raw, object_pairs_hook=refuse_repeats)
     except ValueError as exc:
         return str(exc)
-    return "an object names a key twice"
+    return None
 
 
 def _explain(raw: bytes, error: msgspec.MsgspecError) -> str:
