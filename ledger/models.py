@@ -65,6 +65,11 @@ class Capability(models.Model):
     def __str__(self) -> str:
         return self.scope
 
+    @property
+    def has_probe(self) -> bool:
+        """Whether reconciliation can ask the business system (kind other than none)."""
+        return self.probe.get("kind", "none") != "none"
+
     def hints(self) -> policy.Hints:
         return policy.Hints(
             readonly=self.readonly,

@@ -151,10 +151,9 @@ def _invocation(invocation_id: str) -> Invocation:
 
 
 def has_probe(invocation: Invocation) -> bool:
-    """Whether the capability now names a probe: the reconcile task reads it when it
-    runs. Undeclared capabilities and `none` have none; people decide."""
-    capability = invocation.capability
-    return capability is not None and capability.probe.get("kind", "none") != "none"
+    """Whether its capability names a probe now (the reconcile task reads it when it
+    runs); an undeclared capability has none, and people decide."""
+    return invocation.capability is not None and invocation.capability.has_probe
 
 
 @require_GET

@@ -146,7 +146,7 @@ def web_processes(transactional_db: None) -> Iterator[list[str]]:
             )  # fmt: skip
             servers.append((f"http://127.0.0.1:{port}", process))
         for url, _ in servers:
-            wait_for(functools.partial(_answers, f"{url}/healthz"))
+            wait_for(functools.partial(answers_200, f"{url}/healthz"))
         yield [url for url, _ in servers]
     finally:
         for _, process in servers:
@@ -154,7 +154,7 @@ def web_processes(transactional_db: None) -> Iterator[list[str]]:
             process.wait(timeout=20)
 
 
-def _answers(url: str) -> bool:
+def answers_200(url: str) -> bool:
     try:
         return httpx.get(url).status_code == 200
     except httpx.TransportError:

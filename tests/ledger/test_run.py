@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ledger import run
-from tests.conftest import ROOT, _answers, process_env, wait_for
+from tests.conftest import ROOT, answers_200, process_env, wait_for
 
 START = (
     "from ledger.run import start_embedded_postgres; server = start_embedded_postgres(); "
@@ -54,18 +54,23 @@ def embedded(data_dir: Path, then: str) -> subprocess.Popen[str]:
 HOLD = "import sys; sys.stdin.read()"
 
 
-def in_group(group: int) -> list[int]:
-    """The live processes of a process group."""
-    alive = []
+def live_processes() -> dict[int, tuple[int, int]]:
+    """Every process that is not a zombie: pid -> (parent pid, process group)."""
+    found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             # Fields after the command's closing parenthesis: state, ppid, pgrp.
-            state, _, pgrp = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            state, ppid, pgrp = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:3]
         except FileNotFoundError:
             continue
-        if int(pgrp) == group and state != "Z":
-            alive.append(int(proc.name))
-    return alive
+        if state != "Z":
+            found[int(proc.name)] = (int(ppid), int(pgrp))
+    return found
+
+
+def in_group(group: int) -> list[int]:
+    """The live processes of a process group."""
+    return [pid for pid, (_, pgrp) in live_processes().items() if pgrp == group]
 
 
 def postgres_of(data_dir: Path) -> list[int]:
@@ -144,26 +149,14 @@ def test_stopping_a_child_stops_what_it_left_behind() -> None:
 def descendants(pid: int) -> set[int]:
     """The live processes below `pid`."""
     children: dict[int, list[int]] = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-        except FileNotFoundError:
-            continue
-        if state != "Z":
-            children.setdefault(int(ppid), []).append(int(proc.name))
+    for child, (parent, _) in live_processes().items():
+        children.setdefault(parent, []).append(child)
     found, todo = set(), [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             found.add(child)
             todo.append(child)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(transactional_db: None) -> None:
@@ -179,7 +172,7 @@ def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(transactional_db: N
     )
     processes: set[int] = set()
     try:
-        wait_for(functools.partial(_answers, f"http://127.0.0.1:{port}/readyz"), seconds=120)
+        wait_for(functools.partial(answers_200, f"http://127.0.0.1:{port}/readyz"), seconds=120)
         # gunicorn, its two workers, the Celery worker with its pool, and beat.
         wait_for(lambda: len(descendants(ledger.pid)) >= 6)
         processes = descendants(ledger.pid)
@@ -187,12 +180,11 @@ def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(transactional_db: N
         os.killpg(ledger.pid, signal.SIGINT)
 
         assert ledger.wait(timeout=60) == 0
-        assert [pid for pid in processes if alive(pid)] == []
+        assert processes.isdisjoint(live_processes())
         with socket.socket() as sock:
             assert sock.connect_ex(("127.0.0.1", port)) != 0
     finally:
         ledger.kill()
         ledger.wait()
-        for pid in processes | descendants(ledger.pid):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for pid in (processes | descendants(ledger.pid)) & live_processes().keys():
+            os.kill(pid, signal.SIGKILL)
