@@ -321,6 +321,13 @@ for _component in COMPONENTS.values():
 
 
 def add_schema_components(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-    """drf-spectacular postprocessing hook: the request bodies' components."""
+    """drf-spectacular postprocessing hook: the request bodies' components, and each
+    body that uses one marked required (drf-spectacular cannot tell for a raw schema,
+    and a POST without its body is refused)."""
     result.setdefault("components", {}).setdefault("schemas", {}).update(COMPONENTS)
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            body = operation.get("requestBody", {})
+            if body.get("content", {}).get("application/json", {}).get("schema") in _REFS:
+                body["required"] = True
     return result

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import serializers
 from rest_framework.authentication import BasicAuthentication, SessionAuthentication
 from rest_framework.exceptions import AuthenticationFailed, NotFound, ValidationError
@@ -251,19 +251,16 @@ class InvocationDetailView(StatementConfirmedView):
 class ListQuerySerializer(s.StrictSerializer):
     task_id = s.identifier(required=False)
     status = serializers.ChoiceField(choices=[st.value for st in policy.Status], required=False)
-    after = serializers.IntegerField(required=False, min_value=0)
+    after = serializers.IntegerField(
+        required=False, min_value=0, help_text="the cursor from `next`"
+    )
     limit = serializers.IntegerField(required=False, min_value=1, max_value=500, default=50)
 
 
 class InvocationListView(RuntimeAPIView):
     @extend_schema(
         operation_id="list_invocations",
-        parameters=[
-            OpenApiParameter("task_id", str),
-            OpenApiParameter("status", str, enum=[st.value for st in policy.Status]),
-            OpenApiParameter("after", int, description="the cursor from `next`"),
-            OpenApiParameter("limit", int, description="1 to 500, default 50"),
-        ],
+        parameters=[ListQuerySerializer],
         responses={200: s.InvocationPageSerializer, **errors(400, 401, 429, 503)},
         summary="The runtime's own invocations, newest last, keyset-paginated",
     )

@@ -98,6 +98,18 @@ def test_the_schema_is_valid_openapi(client: Any) -> None:
     assert "invocation_id" in document["components"]["schemas"]["Intent"]["required"]
 
 
+def test_the_schema_says_what_the_api_refuses(client: Any) -> None:
+    """Found by `schemathesis run --checks all` against a live server: bodies the API
+    requires were optional in the schema, and `limit` had no bounds."""
+    document = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
+    posts = [ops["post"] for ops in document["paths"].values() if "post" in ops]
+    assert len(posts) == 5 and all(post["requestBody"].get("required") for post in posts)
+    listing = document["paths"]["/api/v1/invocations"]["get"]["parameters"]
+    query = {p["name"]: p["schema"] for p in listing if p["in"] == "query"}
+    assert (query["limit"]["minimum"], query["limit"]["maximum"]) == (1, 500)
+    assert query["after"]["minimum"] == 0 and query["task_id"]["maxLength"] == 128
+
+
 def test_the_interactive_docs_are_served_without_a_cdn(client: Any) -> None:
     page = client.get("/api/docs/").content.decode()
     assert "/static/drf_spectacular_sidecar/swagger-ui-dist/" in page
