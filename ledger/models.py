@@ -436,6 +436,10 @@ class Event(models.Model):
                 condition=Q(actor__startswith="user:"),
                 name="event_by_person",
             ),
+            # Recent probe runs (the dashboard, /metrics) without reading every recent event.
+            models.Index(
+                fields=["created_at"], condition=Q(kind="probe_run"), name="event_probe_run_time"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -456,6 +460,12 @@ class Seal(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64, unique=True)
+
+    class Meta:
+        constraints = [
+            # Each sequence number is sealed once; the newest seal is found by this index.
+            models.UniqueConstraint(fields=["last_sequence"], name="seal_last_sequence_unique"),
+        ]
 
     def __str__(self) -> str:
         return f"seal {self.pk} ({self.first_sequence}-{self.last_sequence})"

@@ -285,6 +285,8 @@ LEDGER_PROBE_SECRETS = {
 # Python probes that may be named in a capability's probe configuration.
 LEDGER_PYTHON_PROBES = [p for p in os.environ.get("LEDGER_PYTHON_PROBES", "").split(",") if p]
 LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60)
+# Empty: /metrics is open, like /healthz (aggregate counts, no ids or subjects).
+LEDGER_METRICS_TOKEN = os.environ.get("LEDGER_METRICS_TOKEN", "")
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "seal-new-events": {
         "task": "ledger.tasks.seal_new_events",

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.views import LoginView
 from django.core.cache import cache
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.http import (
     Http404,
     HttpRequest,
@@ -17,6 +18,7 @@ from django.http import (
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 from kombu import Connection
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ledger.audit import (
     AuditFilterForm,
@@ -27,6 +29,7 @@ from ledger.audit import (
     search,
 )
 from ledger.integrity import verify
+from ledger.metrics import exposition
 from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
 
@@ -69,6 +72,23 @@ def readyz(request: HttpRequest) -> JsonResponse:
         "checks": {name: error or "ok" for name, error in checks.items()},
     }
     return JsonResponse(body, status=200 if body["status"] == "ok" else 503)
+
+
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus metrics (ledger/metrics.py). With LEDGER_METRICS_TOKEN set, a scrape
+    must send it as `Authorization: Bearer …`."""
+    expected = settings.LEDGER_METRICS_TOKEN
+    if expected:
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(presented.encode(), expected.encode()):
+            return HttpResponse("unauthenticated\n", status=401, content_type="text/plain")
+    try:
+        body = exposition()
+    except DatabaseError as exc:
+        # Prometheus records the scrape as failed (`up` 0) and keeps the last figures.
+        return HttpResponse(f"database unavailable: {exc}\n", status=503, content_type="text/plain")
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
 
 
 class ThrottledLoginView(LoginView):

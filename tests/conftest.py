@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from django.test import Client
 
 from ledger.models import Capability, Runtime, RuntimeToken
@@ -176,3 +176,21 @@ def statements() -> Iterator[list[str]]:
 
     with connection.execute_wrapper(record):
         yield sent
+
+
+@pytest.fixture
+def unreachable_database() -> Iterator[None]:
+    """Point the app's connection at a port where nothing listens."""
+    saved = dict(connection.settings_dict)
+    connections.close_all()
+    if hasattr(connection, "close_pool"):
+        connection.close_pool()
+    connection.settings_dict.update(HOST="127.0.0.1", PORT="9")
+    try:
+        yield
+    finally:
+        connection.close()
+        if hasattr(connection, "close_pool"):
+            connection.close_pool()
+        connection.settings_dict.clear()
+        connection.settings_dict.update(saved)

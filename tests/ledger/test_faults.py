@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
-from django.db import connection, connections
+from django.db import connection
 from django.db.utils import InternalError, ProgrammingError
 
 from ledger.models import Attempt, Capability, Event, Invocation
@@ -39,24 +38,6 @@ def admin_conninfo() -> str:
         user=settings["USER"],
         dbname=settings["NAME"],
     )
-
-
-@pytest.fixture
-def unreachable_database() -> Iterator[None]:
-    """Point the app's connection at a port where nothing listens."""
-    saved = dict(connection.settings_dict)
-    connections.close_all()
-    if hasattr(connection, "close_pool"):
-        connection.close_pool()
-    connection.settings_dict.update(HOST="127.0.0.1", PORT="9")
-    try:
-        yield
-    finally:
-        connection.close()
-        if hasattr(connection, "close_pool"):
-            connection.close_pool()
-        connection.settings_dict.clear()
-        connection.settings_dict.update(saved)
 
 
 @pytest.mark.django_db(transaction=True)

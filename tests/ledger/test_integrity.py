@@ -8,7 +8,7 @@ import io
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 from django.db.utils import ProgrammingError
 
 from ledger import chain
@@ -117,6 +117,17 @@ def test_seals_number_events_contiguously_and_chain(ledger: Api) -> None:
     assert seal_events() is None  # nothing new
     hashes = SealedEvent.objects.filter(seal=first).order_by("sequence")
     assert first.merkle_root == merkle_root(hashes.values_list("event__hash", flat=True))
+
+
+def test_a_second_seal_over_the_same_sequence_is_refused(ledger: Api) -> None:
+    first = Seal.objects.get()
+    rival = Seal(
+        first_sequence=first.first_sequence, last_sequence=first.last_sequence,
+        event_count=first.event_count, merkle_root=first.merkle_root,
+        prev_hash=first.prev_hash, hash="f" * 64,
+    )  # fmt: skip
+    with pytest.raises(IntegrityError, match="seal_last_sequence_unique"), transaction.atomic():
+        rival.save()
 
 
 def test_merkle_roots_commit_to_order_and_content() -> None:

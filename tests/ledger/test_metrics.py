@@ -1,0 +1,120 @@
+"""Prometheus metrics at /metrics: figures an operator alerts on, read from the ledger."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.test import Client
+from prometheus_client.parser import text_string_to_metric_families
+from pytest_django import DjangoAssertNumQueries
+from pytest_django.fixtures import Settings
+
+from ledger.integrity import seal_events
+from ledger.metrics import exposition
+from ledger.models import Capability, Event, Invocation, Seal
+from ledger.services import flag_missing_evidence
+from reconciliation.tasks import reconcile_invocation
+from tests.conftest import Api
+
+
+def samples(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+def scrape(client: Client, **headers: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = client.get("/metrics", headers=headers)
+    assert response.status_code == 200, response.content
+    assert response["Content-Type"].startswith("text/plain; version=")
+    return samples(response.content)
+
+
+def flagged(api: Api, invocation_id: str) -> Invocation:
+    api.intent(invocation_id=invocation_id, idempotency_key=f"k-{invocation_id}", attempt_id="a1")
+    deadline = Invocation.objects.get(invocation_id=invocation_id).deadline_at
+    assert deadline is not None and flag_missing_evidence(invocation_id=invocation_id, now=deadline)
+    return Invocation.objects.get(invocation_id=invocation_id)
+
+
+def test_the_figures_are_the_ledgers(api: Api, refund: Capability, client: Client) -> None:
+    assert scrape(client)[("ledger_invocations_in_flight", ())] == 0
+    waiting = flagged(api, "inv-waiting")
+    flagged(api, "inv-no-probe")
+    reconcile_invocation.run("inv-no-probe")  # refund.create has no probe: escalated
+    api.intent(invocation_id="inv-flying", idempotency_key="k-flying", attempt_id="a1")
+    api.intent(invocation_id="inv-recorded", idempotency_key="k-recorded")
+    seal_events()
+    api.intent(invocation_id="inv-after-seal", idempotency_key="k-after-seal")
+    flying = Invocation.objects.get(invocation_id="inv-flying")
+    assert flying.deadline_at is not None
+
+    before_deadline = samples(exposition(now=flying.deadline_at - dt.timedelta(seconds=1)))
+    at_deadline = samples(exposition(now=flying.deadline_at))
+
+    flagged_by_status = {
+        labels[0][1]: value
+        for (name, labels), value in at_deadline.items()
+        if name == "ledger_invocations_flagged"
+    }
+    assert flagged_by_status == {
+        "reconciliation_required": 1,
+        "reconciling": 0,
+        "escalated": 1,
+        "resolution_proposed": 0,
+    }
+    # Flagged at its deadline, 90 s ahead; the escalation happened now: it waited longest.
+    escalated = Invocation.objects.get(invocation_id="inv-no-probe")
+    assert escalated.updated_at < waiting.updated_at
+    waited = (flying.deadline_at - escalated.updated_at).total_seconds()
+    assert at_deadline[("ledger_invocations_flagged_oldest_seconds", ())] == pytest.approx(waited)
+    assert at_deadline[("ledger_invocations_in_flight", ())] == 1
+    assert before_deadline[("ledger_invocations_overdue", ())] == 0
+    assert at_deadline[("ledger_invocations_overdue", ())] == 1
+    assert at_deadline[("ledger_probe_runs_last_hour", (("finding", "none"),))] == 1
+    seal = Seal.objects.get()
+    assert Event.objects.filter(sealed__isnull=True).exists()  # inv-after-seal's
+    newest_event = Event.objects.latest("created_at")
+    assert at_deadline[("ledger_seal_last_timestamp_seconds", ())] == seal.created_at.timestamp()
+    assert at_deadline[("ledger_event_last_timestamp_seconds", ())] == (
+        newest_event.created_at.timestamp()
+    )
+
+
+def test_an_empty_ledger_answers_zeros(db: None, client: Client) -> None:
+    figures = scrape(client)
+    assert figures[("ledger_seal_last_timestamp_seconds", ())] == 0
+    assert figures[("ledger_invocations_flagged_oldest_seconds", ())] == 0
+    assert not any(name == "ledger_probe_runs_last_hour" for name, _ in figures)
+
+
+def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
+    api: Api, refund: Capability, client: Client, django_assert_num_queries: DjangoAssertNumQueries
+) -> None:
+    for n in range(5):
+        flagged(api, f"inv-{n}")
+    with django_assert_num_queries(7):
+        scrape(client)
+
+
+def test_with_a_token_set_a_scrape_must_present_it(
+    db: None, client: Client, settings: Settings
+) -> None:
+    settings.LEDGER_METRICS_TOKEN = "scrape-secret"
+    assert client.get("/metrics").status_code == 401
+    wrong = client.get("/metrics", headers={"Authorization": "Bearer scrape-guess"})
+    assert wrong.status_code == 401 and b"ledger_" not in wrong.content
+    bare = client.get("/metrics", headers={"Authorization": "scrape-secret"})
+    assert bare.status_code == 401
+    assert ("ledger_invocations_in_flight", ()) in scrape(
+        client, Authorization="Bearer scrape-secret"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_unreachable_database_answers_503(client: Client, unreachable_database: None) -> None:
+    response = client.get("/metrics")
+    assert response.status_code == 503 and b"database unavailable" in response.content
