@@ -61,7 +61,7 @@ class LedgerCollector(Collector):
             .annotate(n=Count("id"))
             .values_list("status", "n")
         )
-        for status in policy.NEEDS_RECONCILIATION:
+        for status in sorted(policy.NEEDS_RECONCILIATION):
             flagged.add_metric([status.value], counts.get(status.value, 0))
         yield flagged
 
