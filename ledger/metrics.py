@@ -8,23 +8,25 @@ several workers would each hold a different part of.
 - `ledger_invocations_flagged{status}`: invocations that need reconciliation, by
   status, and `ledger_invocations_flagged_oldest_seconds`, how long the oldest of them
   has waited (the queue an operator works);
-- `ledger_invocations_in_flight` and `ledger_invocations_overdue`: attempts awaiting an
-  outcome, and those past their deadline that the sweeper has not flagged yet (above
-  zero for long, the sweeper or beat is down);
+- `ledger_invocations_in_flight`: attempts awaiting an outcome;
+- `ledger_invocations_overdue` and `ledger_invocations_overdue_oldest_seconds`: those
+  past their deadline that the sweeper has not flagged yet, and by how long;
 - `ledger_probe_runs_last_hour{finding}`: what probes found in the last hour;
 - `ledger_event_last_timestamp_seconds` and `ledger_seal_last_timestamp_seconds`: when
-  the newest event was recorded and the newest seal made. Beat seals whatever is new
-  every `LEDGER_SEAL_INTERVAL_SECONDS`, so an event newer than the newest seal by many
-  intervals means the sealer is down. (The age of the oldest unsealed event would say
-  it directly, but finding it walks every event of the sealer's ten-minute lookback.)
+  the newest event was recorded and the newest seal made. (The age of the oldest
+  unsealed event would say more directly whether the sealer keeps up, but finding it
+  walks every event of the sealer's ten-minute lookback.)
+- `ledger_background_behind{work}`: 1 when the sweeper or the sealer has fallen behind
+  by the rules of `BackgroundWork`, which the console's dashboard shows too.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-from django.db.models import Count, Max, Min, TextField, Value
+from django.db.models import Count, Min, TextField, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -36,14 +38,63 @@ from ledger import policy
 from ledger.models import Event, Invocation, Seal
 
 PROBE_WINDOW = dt.timedelta(hours=1)
+# Beat sweeps every LEDGER_SWEEP_INTERVAL_SECONDS (5) and seals every
+# LEDGER_SEAL_INTERVAL_SECONDS (60); past these, it has missed many in a row.
+SWEEPER_SLACK = dt.timedelta(minutes=1)
+SEALER_SLACK = dt.timedelta(minutes=10)
 
 
 def _seconds_since(then: dt.datetime | None, now: dt.datetime) -> float:
     return max((now - then).total_seconds(), 0.0) if then else 0.0
 
 
+@dataclass(frozen=True)
+class BackgroundWork:
+    """Whether beat's sweeper and sealer keep up, as the ledger's rows show it."""
+
+    now: dt.datetime
+    overdue: int
+    oldest_overdue_deadline: dt.datetime | None
+    newest_event_at: dt.datetime | None
+    newest_seal_at: dt.datetime | None
+    oldest_unsealed_candidate_at: dt.datetime | None  # the first event, while no seal exists
+
+    @property
+    def sweeper_behind(self) -> bool:
+        deadline = self.oldest_overdue_deadline
+        return deadline is not None and self.now - deadline > SWEEPER_SLACK
+
+    @property
+    def sealer_behind(self) -> bool:
+        if self.newest_event_at is None:
+            return False
+        if self.newest_seal_at is None:
+            first = self.oldest_unsealed_candidate_at
+            return first is not None and self.now - first > SEALER_SLACK
+        return self.newest_event_at - self.newest_seal_at > SEALER_SLACK
+
+
+def background_work(now: dt.datetime | None = None) -> BackgroundWork:
+    now = now or timezone.now()
+    overdue = Invocation.objects.overdue(now).aggregate(n=Count("id"), oldest=Min("deadline_at"))
+    newest_seal = Seal.objects.order_by("-last_sequence").values_list("created_at").first()
+    newest_event = Event.objects.order_by("-created_at").values_list("created_at").first()
+    first_event = None
+    if newest_seal is None and newest_event is not None:
+        first_event = Event.objects.order_by("created_at").values_list("created_at").first()
+    return BackgroundWork(
+        now=now,
+        overdue=overdue["n"],
+        oldest_overdue_deadline=overdue["oldest"],
+        newest_event_at=newest_event[0] if newest_event else None,
+        newest_seal_at=newest_seal[0] if newest_seal else None,
+        oldest_unsealed_candidate_at=first_event[0] if first_event else None,
+    )
+
+
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: seven statements, each on an index."""
+    """Reads the figures once per scrape: seven statements, each on an index (eight
+    before the first seal)."""
 
     def __init__(self, now: dt.datetime) -> None:
         self.now = now
@@ -78,10 +129,16 @@ class LedgerCollector(Collector):
             "Invocations with an attempt admitted and no outcome yet.",
             value=in_flight.count(),
         )
+        work = background_work(now)
         yield GaugeMetricFamily(
             "ledger_invocations_overdue",
             "In-flight invocations past their deadline that the sweeper has not flagged.",
-            value=Invocation.objects.overdue(now).count(),
+            value=work.overdue,
+        )
+        yield GaugeMetricFamily(
+            "ledger_invocations_overdue_oldest_seconds",
+            "How long the oldest of them has been past its deadline (0 if none).",
+            value=_seconds_since(work.oldest_overdue_deadline, now),
         )
 
         probes = GaugeMetricFamily(
@@ -102,17 +159,24 @@ class LedgerCollector(Collector):
             probes.add_metric([finding], n)
         yield probes
 
-        newest_seal = Seal.objects.order_by("-last_sequence").values_list("created_at").first()
+        behind = GaugeMetricFamily(
+            "ledger_background_behind",
+            "1 when beat's sweeper (an attempt overdue for over a minute) or sealer (events "
+            "newer than the newest seal by over ten minutes) is not keeping up.",
+            labels=["work"],
+        )
+        behind.add_metric(["sweeper"], int(work.sweeper_behind))
+        behind.add_metric(["sealer"], int(work.sealer_behind))
+        yield behind
         yield GaugeMetricFamily(
             "ledger_seal_last_timestamp_seconds",
             "When the newest seal was made, in Unix time (0 if none yet).",
-            value=newest_seal[0].timestamp() if newest_seal else 0.0,
+            value=work.newest_seal_at.timestamp() if work.newest_seal_at else 0.0,
         )
-        newest_event = Event.objects.aggregate(at=Max("created_at"))["at"]
         yield GaugeMetricFamily(
             "ledger_event_last_timestamp_seconds",
             "When the newest event was recorded, in Unix time (0 if none yet).",
-            value=newest_event.timestamp() if newest_event else 0.0,
+            value=work.newest_event_at.timestamp() if work.newest_event_at else 0.0,
         )
 
 

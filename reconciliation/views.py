@@ -20,6 +20,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
 from ledger import chain, policy
+from ledger.metrics import background_work
 from ledger.models import Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
 from ledger.services import LedgerError, event_body
@@ -290,5 +291,6 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         .order_by("-n")[:20],
         "probes": probes,
         "failure_rate": (probes["failed"] / probes["runs"]) if probes["runs"] else None,
+        "work": background_work(),
     }
     return render(request, "reconciliation/dashboard.html", context)

@@ -96,8 +96,45 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
 ) -> None:
     for n in range(5):
         flagged(api, f"inv-{n}")
+    seal_events()
     with django_assert_num_queries(7):
         scrape(client)
+
+
+def behind(figures: dict[tuple[str, tuple[tuple[str, str], ...]], float], work: str) -> float:
+    return figures[("ledger_background_behind", (("work", work),))]
+
+
+def test_a_sweeper_that_stopped_is_reported_behind(api: Api, refund: Capability) -> None:
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None
+    just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
+    assert just_due[("ledger_invocations_overdue", ())] == 1
+    assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 5
+    assert behind(just_due, "sweeper") == 0  # the next sweep takes it
+    stalled = samples(exposition(now=deadline + dt.timedelta(seconds=61)))
+    assert behind(stalled, "sweeper") == 1
+    assert flag_missing_evidence(invocation_id="inv-1", now=deadline + dt.timedelta(seconds=61))
+    swept = samples(exposition(now=deadline + dt.timedelta(seconds=62)))
+    assert swept[("ledger_invocations_overdue", ())] == 0 and behind(swept, "sweeper") == 0
+
+
+def test_a_sealer_that_stopped_is_reported_behind(api: Api, refund: Capability) -> None:
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    first_event = Event.objects.get(seq=1).created_at
+    # No seal yet: behind once the first event has waited over ten minutes.
+    assert behind(samples(exposition(now=first_event + dt.timedelta(minutes=9))), "sealer") == 0
+    assert behind(samples(exposition(now=first_event + dt.timedelta(minutes=11))), "sealer") == 1
+    seal = seal_events()
+    assert seal is not None
+    assert behind(samples(exposition()), "sealer") == 0
+    # An event recorded eleven minutes after the newest seal, which no sealer took.
+    late = seal.created_at + dt.timedelta(minutes=11)
+    assert flag_missing_evidence(invocation_id="inv-1", now=late)
+    assert behind(samples(exposition(now=late)), "sealer") == 1
+    assert seal_events(now=late) is not None
+    assert behind(samples(exposition(now=late)), "sealer") == 0
 
 
 def test_with_a_token_set_a_scrape_must_present_it(

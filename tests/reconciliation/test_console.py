@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 
 import httpx
@@ -10,6 +11,7 @@ from django.contrib.auth.models import Group, User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
@@ -373,3 +375,22 @@ def test_an_invocation_escalated_for_want_of_a_probe_shows_its_page(
 
     assert response.status_code == 200
     assert "<td>no probe: handed to a person</td>" in probe_rows(response.content)
+
+
+def test_the_dashboard_says_when_beats_work_falls_behind(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+
+    def card() -> str:
+        page = operator.get("/dashboard/").content.decode()
+        return page.split('id="background-work"')[1].split("</section>")[0]
+
+    assert "Sweeper:\n      keeping up." in card()
+    assert "Sealer:\n      no seal yet." in card()
+    # Two minutes past its deadline and still in flight: no sweep has run since.
+    Invocation.objects.update(deadline_at=timezone.now() - dt.timedelta(minutes=2))
+    stalled = card()
+    assert 'class="behind">Sweeper' in stalled
+    assert "1 attempt past the deadline, the oldest for 2" in stalled
+    assert 'class="keeping-up">Sealer' in stalled  # its first event is seconds old
