@@ -26,6 +26,7 @@ import datetime as dt
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from django.conf import settings
 from django.db.models import Count, Min, TextField, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Coalesce
@@ -38,10 +39,18 @@ from ledger import policy
 from ledger.models import Event, Invocation, Seal
 
 PROBE_WINDOW = dt.timedelta(hours=1)
-# Beat sweeps every LEDGER_SWEEP_INTERVAL_SECONDS (5) and seals every
-# LEDGER_SEAL_INTERVAL_SECONDS (60); past these, it has missed many in a row.
-SWEEPER_SLACK = dt.timedelta(minutes=1)
-SEALER_SLACK = dt.timedelta(minutes=10)
+# Behind means that beat has missed this many sweeps or seals in a row: a minute at
+# the default sweep interval of 5 s, ten minutes at the default seal interval of 60 s.
+MISSED_SWEEPS = 12
+MISSED_SEALS = 10
+
+
+def sweeper_slack() -> dt.timedelta:
+    return dt.timedelta(seconds=MISSED_SWEEPS * settings.LEDGER_SWEEP_INTERVAL_SECONDS)
+
+
+def sealer_slack() -> dt.timedelta:
+    return dt.timedelta(seconds=MISSED_SEALS * settings.LEDGER_SEAL_INTERVAL_SECONDS)
 
 
 def _seconds_since(then: dt.datetime | None, now: dt.datetime) -> float:
@@ -62,7 +71,7 @@ class BackgroundWork:
     @property
     def sweeper_behind(self) -> bool:
         deadline = self.oldest_overdue_deadline
-        return deadline is not None and self.now - deadline > SWEEPER_SLACK
+        return deadline is not None and self.now - deadline > sweeper_slack()
 
     @property
     def sealer_behind(self) -> bool:
@@ -70,8 +79,8 @@ class BackgroundWork:
             return False
         if self.newest_seal_at is None:
             first = self.oldest_unsealed_candidate_at
-            return first is not None and self.now - first > SEALER_SLACK
-        return self.newest_event_at - self.newest_seal_at > SEALER_SLACK
+            return first is not None and self.now - first > sealer_slack()
+        return self.newest_event_at - self.newest_seal_at > sealer_slack()
 
 
 def background_work(now: dt.datetime | None = None) -> BackgroundWork:
@@ -161,8 +170,8 @@ class LedgerCollector(Collector):
 
         behind = GaugeMetricFamily(
             "ledger_background_behind",
-            "1 when beat's sweeper (an attempt overdue for over a minute) or sealer (events "
-            "newer than the newest seal by over ten minutes) is not keeping up.",
+            "1 when beat's sweeper (an attempt overdue for 12 sweep intervals) or sealer "
+            "(events newer than the newest seal by 10 seal intervals) is not keeping up.",
             labels=["work"],
         )
         behind.add_metric(["sweeper"], int(work.sweeper_behind))

@@ -8,10 +8,13 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.db.models import Count, Q
+from django.test import Client
 from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
@@ -189,3 +192,42 @@ def test_the_demo_runs_its_traffic_and_everything_settles(
     assert "outcome lost after refund   succeeded       reconciled_effect_present   1" in report
     assert "crash before refund         retry_allowed   reconciled_effect_absent    0" in report
     assert "business refuses            failed          business_rejected           0" in report
+
+
+def test_metrics_report_a_killed_beat_and_its_return(
+    api: Api, refund: Capability, workers: Workers, tmp_path: Path, settings: Any
+) -> None:
+    """`ledger_background_behind{work="sweeper"}` is 1 while no beat sweeps, and 0 once
+    one is back; the web side reads the same interval as beat (1 s: behind after 12 s)."""
+    settings.LEDGER_SWEEP_INTERVAL_SECONDS = 1
+    workers.start()
+    beat = workers.beat(tmp_path)
+    web = Client()
+
+    def overdue_by(invocation_id: str, seconds: int) -> None:
+        Invocation.objects.filter(invocation_id=invocation_id).update(
+            deadline_at=timezone.now() - dt.timedelta(seconds=seconds)
+        )
+
+    def sweeper_behind() -> float:
+        for family in text_string_to_metric_families(web.get("/metrics").content.decode()):
+            for sample in family.samples:
+                if sample.name == "ledger_background_behind" and sample.labels["work"] == "sweeper":
+                    return sample.value
+        raise AssertionError("no ledger_background_behind sample")
+
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    overdue_by("inv-1", 20)
+    wait_for(lambda: status_of("inv-1") == "escalated")  # swept, then no probe
+    assert sweeper_behind() == 0
+
+    workers.kill(beat)
+    api.intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
+    overdue_by("inv-2", 20)
+    time.sleep(3)  # three sweeps, had beat been running
+    assert status_of("inv-2") == "in_flight"
+    assert sweeper_behind() == 1
+
+    workers.beat(tmp_path)
+    wait_for(lambda: status_of("inv-2") == "escalated")
+    assert sweeper_behind() == 0
