@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import Any
 
 from django.conf import settings
@@ -32,6 +33,8 @@ from ledger.integrity import verify
 from ledger.metrics import exposition
 from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
+
+logger = logging.getLogger(__name__)
 
 
 @require_GET
@@ -85,9 +88,10 @@ def metrics(request: HttpRequest) -> HttpResponse:
             return HttpResponse("unauthenticated\n", status=401, content_type="text/plain")
     try:
         body = exposition()
-    except DatabaseError as exc:
-        # Prometheus records the scrape as failed (`up` 0) and keeps the last figures.
-        return HttpResponse(f"database unavailable: {exc}\n", status=503, content_type="text/plain")
+    except DatabaseError:
+        # Prometheus records the failed scrape as `up` 0: alert on that too.
+        logger.warning("metrics: the database is unavailable", exc_info=True)
+        return HttpResponse("database unavailable\n", status=503, content_type="text/plain")
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)
 
 
