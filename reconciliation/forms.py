@@ -5,6 +5,8 @@ from django import forms
 from ledger import policy
 from ledger.models import Capability
 
+TEN_YEARS_IN_MINUTES = 10 * 366 * 24 * 60
+
 
 class QueueFilterForm(forms.Form):
     capability = forms.CharField(required=False)
@@ -13,7 +15,10 @@ class QueueFilterForm(forms.Form):
     cause = forms.ChoiceField(
         required=False, choices=[("", "any cause"), *[(c.value, c.value) for c in policy.Cause]]
     )
-    older_than_minutes = forms.IntegerField(required=False, min_value=0, label="older than (min)")
+    # Bounded: a timedelta of 10**20 minutes overflows (a 500 found by fuzzing the queue).
+    older_than_minutes = forms.IntegerField(
+        required=False, min_value=0, max_value=TEN_YEARS_IN_MINUTES, label="older than (min)"
+    )
     mine = forms.ChoiceField(
         required=False,
         choices=[("", "everyone's"), ("mine", "claimed by me"), ("unclaimed", "unclaimed")],

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Min, Q, QuerySet
+from django.db.models import Count, Min, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -38,9 +38,16 @@ def actor(request: HttpRequest) -> str:
 # The queue --------------------------------------------------------------------
 
 
-def queue_rows(form: QueueFilterForm, user: Any) -> QuerySet[Invocation]:
+def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
+    """The flagged invocations the filter selects, riskiest first, then oldest.
+
+    A filter that does not parse selects nothing and is shown as an error, as in the
+    audit search: an operator must never take the whole queue for a filtered one.
+    """
+    if form.is_bound and not form.is_valid():
+        return []
     rows = Invocation.objects.flagged().select_related("runtime")
-    if form.is_valid():
+    if form.is_bound:
         data = form.cleaned_data
         if data["capability"]:
             rows = rows.filter(capability_scope=data["capability"])
@@ -57,9 +64,8 @@ def queue_rows(form: QueueFilterForm, user: Any) -> QuerySet[Invocation]:
             rows = rows.filter(assignee=user.get_username())
         elif data["mine"] == "unclaimed":
             rows = rows.filter(assignee="")
-    # Riskiest first, then oldest.
     risk_order = {"high": 0, "medium": 1, "low": 2}
-    return sorted(rows.order_by("updated_at")[:500], key=lambda r: risk_order[r.risk_level])  # type: ignore[return-value]
+    return sorted(rows.order_by("updated_at")[:500], key=lambda r: risk_order[r.risk_level])
 
 
 def status_counts() -> dict[str, int]:

@@ -81,7 +81,7 @@ def test_the_queue_lists_flagged_invocations_full_page_or_fragment(
     assert "<html" in page and "inv-1" in page and "reconciliation_required" in page
     fragment = operator.get("/", {"risk": "medium"}, headers={"HX-Request": "true"})
     body = fragment.content.decode()
-    assert "<html" not in body and body.lstrip().startswith('<table id="queue-rows"')
+    assert "<html" not in body and body.lstrip().startswith('<section id="queue-rows"')
     assert "inv-1" in body
     filtered = operator.get("/", {"risk": "low"}, headers={"HX-Request": "true"}).content.decode()
     assert "inv-1" not in filtered and "Nothing needs reconciliation" in filtered
@@ -394,3 +394,28 @@ def test_the_dashboard_says_when_beats_work_falls_behind(
     assert 'class="behind">Sweeper' in stalled
     assert "1 attempt past the deadline, the oldest for 2" in stalled
     assert 'class="keeping-up">Sealer' in stalled  # its first event is seconds old
+
+
+def test_an_age_filter_too_large_for_a_date_is_refused_by_name(
+    flagged: str, operator: Client
+) -> None:
+    """Found by fuzzing the console's GET forms: 10**20 minutes overflowed to a 500."""
+    for path in ("/", "/queue/counts"):
+        response = operator.get(path, {"older_than_minutes": "1" + "0" * 20})
+        assert response.status_code == 200
+    page = operator.get("/", {"older_than_minutes": "1" + "0" * 20}).content.decode()
+    assert "older_than_minutes: Ensure this value is less than or equal to" in page
+    assert "inv-1" not in page.split('id="queue-rows"')[1]
+
+
+@pytest.mark.parametrize(
+    "bad", [{"risk": "extreme"}, {"older_than_minutes": "an hour"}, {"cause": "gremlins"}]
+)
+def test_a_filter_that_does_not_parse_shows_nothing_but_the_error(
+    flagged: str, operator: Client, bad: dict[str, str]
+) -> None:
+    """Never the whole queue under a filter the operator believes applied."""
+    rows = operator.get("/", bad, headers={"HX-Request": "true"}).content.decode()
+    (name,) = bad
+    assert f"<li>{name}: " in rows and "inv-1" not in rows
+    assert "Fix the filter above" in rows
