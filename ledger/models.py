@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
+from django.core.validators import RegexValidator
 from django.db import models, transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -105,7 +106,18 @@ class CapabilityDeclaration(models.Model):
 class Runtime(models.Model):
     """An agent runtime or gateway that posts evidence with its own tokens."""
 
-    name = models.CharField(max_length=100, unique=True)
+    # The name is written into every event it records (`runtime:<name>`), into logs and
+    # exports: no blanks, control characters or terminal escapes.
+    name = models.CharField(
+        max_length=100,
+        unique=True,
+        validators=[
+            RegexValidator(
+                r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]*\Z",
+                "Use letters, digits and . _ : @ + = - only, starting with a letter or digit.",
+            )
+        ],
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     # DRF's IsAuthenticated asks the authenticated principal this.

@@ -100,6 +100,17 @@ def test_create_runtime_refuses_a_duplicate_name_without_add_token(db: None) -> 
     assert RuntimeToken.objects.filter(runtime__name="dup").count() == 2
 
 
+@pytest.mark.parametrize("name", ["", "two words", "red\x1b[31m", "line\nbreak", ".leading"])
+def test_create_runtime_refuses_a_name_unfit_for_the_audit_trail(db: None, name: str) -> None:
+    """A runtime's name is written into its events as `runtime:<name>`, and into logs
+    and exports: blanks, control characters and terminal escapes are refused."""
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="runtime name"):
+        call_command("create_runtime", name, stderr=io.StringIO())
+    assert not Runtime.objects.exists() and not AdminAction.objects.exists()
+
+
 @pytest.fixture
 def two_a_minute(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
     """The runtime throttle at 2/min, on a clock the test moves (monotonic seconds)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 import getpass
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
@@ -28,6 +29,10 @@ class Command(BaseCommand):
     def handle(self, *args: Any, name: str, add_token: bool, label: str, **options: Any) -> None:
         runtime = Runtime.objects.filter(name=name).first()
         if runtime is None:
+            try:
+                Runtime._meta.get_field("name").clean(name, None)
+            except ValidationError as error:
+                raise CommandError(f"runtime name {name!r}: {' '.join(error.messages)}") from None
             runtime = Runtime.objects.create(name=name)
             self.stderr.write(f"Created runtime {name!r}.")
         elif not add_token:
