@@ -157,4 +157,5 @@ class RuntimeAdmin(admin.ModelAdmin):
         # records names it as actor (`runtime:<name>`), and a rename would orphan
         # them. Web processes also remember it with the runtime's tokens. PostgreSQL
         # refuses a rename too (migration 0018); here the form does not offer one.
-        return ("name",) if obj is not None else ()
+        # When it was registered is the ledger's to say, as for tokens.
+        return ("name", "created_at") if obj is not None else ("created_at",)

@@ -111,6 +111,14 @@ def test_create_runtime_refuses_a_name_unfit_for_the_audit_trail(db: None, name:
     assert not Runtime.objects.exists() and not AdminAction.objects.exists()
 
 
+def test_the_admin_refuses_such_a_name_too(admin_client: Client) -> None:
+    form = {"tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0"}
+    page = admin_client.post("/admin/ledger/runtime/add/", {**form, "name": "two words"})
+    assert "Use letters, digits and" in page.content.decode() and not Runtime.objects.exists()
+    added = admin_client.post("/admin/ledger/runtime/add/", {**form, "name": "two-words"})
+    assert added.status_code == 302 and Runtime.objects.get().name == "two-words"
+
+
 @pytest.fixture
 def two_a_minute(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
     """The runtime throttle at 2/min, on a clock the test moves (monotonic seconds)."""
