@@ -7,7 +7,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import serializers
 from rest_framework.authentication import BasicAuthentication, SessionAuthentication
 from rest_framework.exceptions import AuthenticationFailed, NotFound, ValidationError
@@ -340,8 +340,15 @@ def validation_body(exc: ValidationError) -> dict[str, Any]:
     return response.data  # type: ignore[no-any-return]
 
 
+@extend_schema_field(
+    {"type": "object", "additionalProperties": True, "description": "An ACC v1 declaration."}
+)
+class DeclarationField(s.JSONValueField):
+    """A declaration is a JSON object (the schema said any JSON, null included)."""
+
+
 class DeclarationSerializer(s.StrictSerializer):
-    declaration = s.JSONValueField()
+    declaration = DeclarationField()
     http_method = serializers.ChoiceField(
         choices=[m.upper() for m in acc.HTTP_METHODS], required=False
     )

@@ -108,6 +108,8 @@ def test_the_schema_says_what_the_api_refuses(client: Any) -> None:
     query = {p["name"]: p["schema"] for p in listing if p["in"] == "query"}
     assert (query["limit"]["minimum"], query["limit"]["maximum"]) == (1, 500)
     assert query["after"]["minimum"] == 0 and query["task_id"]["maxLength"] == 128
+    declaration = document["components"]["schemas"]["DeclarationRequest"]["properties"]
+    assert declaration["declaration"]["type"] == "object"  # never null
 
 
 def test_the_interactive_docs_are_served_without_a_cdn(client: Any) -> None:
