@@ -1,7 +1,15 @@
 from __future__ import annotations
 
+import json
+import uuid
 from typing import Any
 
+from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ledger import policy
+from ledger.integrity import verify
 from ledger.models import Capability, Event, Invocation
 from tests.conftest import Api, intent_body
 
@@ -115,3 +123,72 @@ def test_items_of_unknown_type_are_refused_in_place(api: Api, refund: Capability
     assert body["results"][0]["body"]["error"]["details"] == {
         "type": ["Must be one of: intent, attempt, outcome."]
     }
+
+
+INVOCATIONS = ["inv-1", "inv-2"]
+ATTEMPTS = ["a1", "a2", "a3"]
+ITEMS = st.one_of(
+    st.builds(
+        lambda inv, key, task, capability, attempt: intent_item(
+            invocation_id=inv, idempotency_key=key, task_id=task, capability=capability,
+            attempt_id=attempt,
+        ),
+        st.sampled_from(INVOCATIONS), st.sampled_from(["k1", "k2"]), st.sampled_from(["t1", "t2"]),
+        st.sampled_from(["refund.create", "order.read", "not.declared"]),
+        st.none() | st.sampled_from(ATTEMPTS),
+    ),
+    st.builds(
+        lambda inv, attempt: {"type": "attempt", "invocation_id": inv, "attempt_id": attempt},
+        st.sampled_from(INVOCATIONS), st.sampled_from(ATTEMPTS),
+    ),
+    st.builds(
+        lambda inv, attempt, kind, retryable: outcome_item(
+            inv, attempt, kind=kind, **({"retryable": retryable} if retryable is not None else {})
+        ),
+        st.sampled_from(INVOCATIONS), st.sampled_from(ATTEMPTS),
+        st.sampled_from([k.value for k in policy.OutcomeKind]), st.none() | st.booleans(),
+    ),
+)  # fmt: skip
+
+
+def single_call(api: Api, item: dict[str, Any]) -> tuple[int, Any]:
+    body = {k: v for k, v in item.items() if k != "type"}
+    if item["type"] == "intent":
+        return api.post("/api/v1/intents", body)
+    invocation_id, attempt_id = body.pop("invocation_id"), body.pop("attempt_id")
+    if item["type"] == "attempt":
+        return api.attempt(invocation_id, attempt_id)
+    return api.outcome(invocation_id, attempt_id, **body)
+
+
+def under(prefix: str, item: dict[str, Any]) -> dict[str, Any]:
+    """The item with its invocation ids and keys in a namespace of their own."""
+    renamed = dict(item)
+    renamed["invocation_id"] = f"{prefix}{item['invocation_id']}"
+    if "idempotency_key" in item:
+        renamed["idempotency_key"] = f"{prefix}{item['idempotency_key']}"
+    return renamed
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    # The fixtures are shared on purpose: each example writes under ids of its own.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(script=st.lists(ITEMS, min_size=1, max_size=12))
+def test_any_script_answers_the_same_in_a_batch_as_in_single_calls(
+    api: Api, refund: Capability, lookup: Capability, script: list[dict[str, Any]]
+) -> None:
+    """Generated scripts of intents, attempts and outcomes over two invocations: each
+    batch result is the status and body of the single call, and both ledgers verify."""
+    run, started = uuid.uuid4().hex[:8], timezone.now()
+    single_prefix, batch_prefix = f"s{run}-", f"b{run}-"
+    single = [single_call(api, under(single_prefix, item)) for item in script]
+    status, body = api.post("/api/v1/evidence", [under(batch_prefix, i) for i in script])
+    assert status == 207
+    assert all(s < 500 for s, _ in single)
+    batched = [(r["status"], r["body"]) for r in body["results"]]
+    as_single = json.loads(json.dumps(batched).replace(batch_prefix, single_prefix))
+    assert as_single == [list(result) for result in single]
+    assert verify(since=started, projections=True).breaks == []
