@@ -15,10 +15,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from ledger import chain, policy, store
@@ -28,6 +30,10 @@ from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runti
 log = logging.getLogger(__name__)
 
 RACE_RETRIES = 5
+# A unit that has lost this many races in a row locks its invocations before it reads
+# them again: many writers at one invocation (a dozen reports of one attempt at once)
+# then take turns instead of some being refused after RACE_RETRIES.
+LOCK_AFTER_RACES = 2
 
 
 class LedgerError(Exception):
@@ -544,7 +550,9 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
 
     Nothing is locked while the items are applied in memory: the write checks that
     no invocation changed since it was read, and on a lost race the whole unit is
-    read and applied again, so it answers as if it had come second.
+    read and applied again, so it answers as if it had come second. After
+    LOCK_AFTER_RACES lost races in a row it locks its invocations first, in a
+    transaction, so that it cannot lose again to a write of theirs.
 
     A unit of new intents under capabilities this process has read before skips the
     read: it is applied as if nothing existed yet, and only if the write then finds
@@ -555,22 +563,14 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
     known = _known_capabilities_of_new_intents(items)
     races = 0
     while True:
-        work = _Work(runtime=runtime, now=timezone.now())
-        if known is not None:
-            work.assume_new(known)
-        else:
-            work.load_items(items)
-        results: list[ItemResult] = []
-        for item in items:
-            try:
-                results.append(APPLY[type(item)](work, item))  # type: ignore[operator]
-            except LedgerError as error:
-                results.append(error)
-        if known is not None and any(isinstance(result, LedgerError) for result in results):
-            known = None  # a refusal is only answered from what was read
-            continue
+        locked = races >= LOCK_AFTER_RACES
         try:
-            work.flush()
+            with transaction.atomic() if locked else nullcontext():
+                if locked:
+                    store.lock_invocations({item.invocation_id for item in items})
+                return _apply_once(runtime, items, known)
+        except _ReadFirst:
+            known = None  # a refusal is only answered from what was read
         except store.RaceLost:
             if known is not None:
                 known = None  # the assumption was wrong: read, and apply again
@@ -579,15 +579,37 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
             log.info(
                 "evidence race lost runtime=%s items=%d try=%d", runtime.name, len(items), races
             )
-            if races < RACE_RETRIES:
-                continue
-            raise LedgerError(
-                "ledger_unavailable",
-                "The invocation kept changing under this request. Nothing was recorded; it "
-                "is safe to send the same request again.",
-                status=503,
-            ) from None
-        return results
+            if races >= RACE_RETRIES:
+                raise LedgerError(
+                    "ledger_unavailable",
+                    "The invocation kept changing under this request. Nothing was recorded; "
+                    "it is safe to send the same request again.",
+                    status=503,
+                ) from None
+
+
+class _ReadFirst(Exception):
+    """Applied as all new without reading, the unit was refused: read, and apply again."""
+
+
+def _apply_once(
+    runtime: Runtime, items: Sequence[EvidenceInput], known: dict[str, store.KnownCapability] | None
+) -> list[ItemResult]:
+    work = _Work(runtime=runtime, now=timezone.now())
+    if known is not None:
+        work.assume_new(known)
+    else:
+        work.load_items(items)
+    results: list[ItemResult] = []
+    for item in items:
+        try:
+            results.append(APPLY[type(item)](work, item))  # type: ignore[operator]
+        except LedgerError as error:
+            results.append(error)
+    if known is not None and any(isinstance(result, LedgerError) for result in results):
+        raise _ReadFirst
+    work.flush()
+    return results
 
 
 def _known_capabilities_of_new_intents(
