@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -563,11 +563,8 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
     known = _known_capabilities_of_new_intents(items)
     races = 0
     while True:
-        locked = races >= LOCK_AFTER_RACES
         try:
-            with transaction.atomic() if locked else nullcontext():
-                if locked:
-                    store.lock_invocations({item.invocation_id for item in items})
+            with _unit_scope(races, {item.invocation_id for item in items}):
                 return _apply_once(runtime, items, known)
         except _ReadFirst:
             known = None  # a refusal is only answered from what was read
@@ -586,6 +583,19 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
                     "it is safe to send the same request again.",
                     status=503,
                 ) from None
+
+
+def _unit_scope(races: int, invocation_ids: set[str]) -> AbstractContextManager[None]:
+    """Nothing for a unit that has not lost LOCK_AFTER_RACES races; after that, a
+    transaction that holds its invocations while it reads and writes them."""
+    return nullcontext() if races < LOCK_AFTER_RACES else _holding(invocation_ids)
+
+
+@contextmanager
+def _holding(invocation_ids: set[str]) -> Iterator[None]:
+    with transaction.atomic():
+        store.lock_invocations(invocation_ids)
+        yield
 
 
 class _ReadFirst(Exception):
@@ -692,22 +702,23 @@ def invocation_transitions(
     all are loaded and `change` asked again. Invocations that do not exist are
     skipped, or with `must_exist` refused as not found.
     """
-    for _ in range(RACE_RETRIES):
-        work = _Work(runtime=None, now=now or timezone.now())
-        work.load(ids=set(invocation_ids))
-        changed = []
-        for invocation_id in invocation_ids:
-            invocation = work.invocations.get(invocation_id)
-            if invocation is None:
-                if must_exist:
-                    raise LedgerError("not_found", "no such invocation", status=404)
-                continue
-            data = change(invocation)
-            if data is not None:
-                work.event(invocation, kind, actor, data)
-                changed.append(invocation)
+    for races in range(RACE_RETRIES):
         try:
-            work.flush()
+            with _unit_scope(races, set(invocation_ids)):
+                work = _Work(runtime=None, now=now or timezone.now())
+                work.load(ids=set(invocation_ids))
+                changed = []
+                for invocation_id in invocation_ids:
+                    invocation = work.invocations.get(invocation_id)
+                    if invocation is None:
+                        if must_exist:
+                            raise LedgerError("not_found", "no such invocation", status=404)
+                        continue
+                    data = change(invocation)
+                    if data is not None:
+                        work.event(invocation, kind, actor, data)
+                        changed.append(invocation)
+                work.flush()
         except store.RaceLost:
             continue
         return changed

@@ -118,3 +118,24 @@ def test_sixty_reports_of_one_attempt_at_once_take_turns_and_none_is_refused(
         assert statuses == {201: 1, 200: 29, 409: 30}, statuses
         invocation = Invocation.objects.get(invocation_id=invocation_id)
         assert invocation.events.filter(kind="outcome_conflict").count() == 30
+
+
+def test_sixty_transitions_of_one_invocation_at_once_are_all_recorded(
+    runtime_api: Callable[[], Api],
+) -> None:
+    """The console's and the workers' writes (claims, probe results, resolutions) go
+    through invocation_transition, which takes turns the same way."""
+    from ledger.services import invocation_transition
+
+    runtime_api().intent(attempt_id="a1")
+
+    def note(n: int) -> Any:
+        changed = invocation_transition(
+            invocation_id="inv-1", actor=f"user:u{n}", kind="note", change=lambda _: {"n": n}
+        )
+        return changed is not None
+
+    assert race(60, note) == [True] * 60
+    invocation = Invocation.objects.get()
+    assert invocation.event_count == 2 + 60
+    assert sorted(e.data["n"] for e in invocation.events.filter(kind="note")) == list(range(60))
