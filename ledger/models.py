@@ -14,6 +14,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from ledger import policy
+from ledger.identifiers import IDENTIFIER_HINT, IDENTIFIER_REGEX
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -111,12 +112,7 @@ class Runtime(models.Model):
     name = models.CharField(
         max_length=100,
         unique=True,
-        validators=[
-            RegexValidator(
-                r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]*\Z",
-                "Use letters, digits and . _ : @ + = - only, starting with a letter or digit.",
-            )
-        ],
+        validators=[RegexValidator(IDENTIFIER_REGEX, IDENTIFIER_HINT)],
     )
     created_at = models.DateTimeField(default=timezone.now)
 

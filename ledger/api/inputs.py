@@ -24,13 +24,12 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 from rest_framework.exceptions import ValidationError
 
 from ledger import chain, policy
+from ledger.identifiers import IDENTIFIER_HINT, IDENTIFIER_REGEX
 from ledger.services import AttemptInput, EvidenceInput, IntentInput, OutcomeInput
 
 IDENTIFIER_LENGTH = 128
-# In Python `$` also matches before a final newline; `(?!\n)` refuses that, and the
-# patterns stay valid ECMAScript for the OpenAPI schema.
-# No "/": ids travel in URL paths (an id holding one could not be sent an outcome).
-IDENTIFIER_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]*(?!\n)$"
+# As for identifiers (ledger/identifiers.py): `(?!\n)` refuses a final newline, which
+# Python's `$` would let through, and keeps the patterns valid ECMAScript.
 SCOPE_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._:-]*(?!\n)$"
 PRINTABLE_REGEX = r"^[^\x00-\x1f\x7f]*(?!\n)$"
 NO_NUL_REGEX = r"^[^\x00]*$"
@@ -40,8 +39,7 @@ IDENTIFIER_PATTERN = re.compile(IDENTIFIER_REGEX)
 
 # msgspec names the pattern a string missed; people are told what to send instead.
 PATTERN_HINTS = {
-    IDENTIFIER_REGEX: "Use letters, digits and . _ : @ + = - only, starting with a "
-    "letter or digit.",
+    IDENTIFIER_REGEX: IDENTIFIER_HINT,
     SCOPE_REGEX: "An ACC scope: letters, digits and . _ : - only, starting with a letter or digit.",
     PRINTABLE_REGEX: "Control characters are not allowed.",
     NO_NUL_REGEX: "U+0000 (NUL) is not allowed.",

@@ -18,7 +18,7 @@ class Migration(migrations.Migration):
                 unique=True,
                 validators=[
                     django.core.validators.RegexValidator(
-                        "^[A-Za-z0-9][A-Za-z0-9._:@+=-]*\\Z",
+                        "^[A-Za-z0-9][A-Za-z0-9._:@+=-]*(?!\\n)$",
                         "Use letters, digits and . _ : @ + = - only, starting with a letter or digit.",
                     )
                 ],
