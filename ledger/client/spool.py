@@ -55,9 +55,13 @@ class Spool:
     def append(self, record: Record) -> None:
         """Durable when it returns: the line and the directory entry are fsynced."""
         with self._locked():
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
             try:
-                os.write(fd, record.line())
+                size = os.fstat(fd).st_size
+                # A torn last write has no newline: end it, so that it alone is damaged
+                # and this record is not glued onto it.
+                torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+                os.write(fd, (b"\n" if torn else b"") + record.line())
                 os.fsync(fd)
             finally:
                 os.close(fd)
