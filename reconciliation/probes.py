@@ -212,6 +212,9 @@ def run(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult | None
         raise
     except Exception as exc:  # a probe bug must not crash-loop the worker
         result = ProbeResult(Finding.INCONCLUSIVE, detail=f"probe raised {type(exc).__name__}")
+    if not isinstance(result, ProbeResult):  # nor may a python probe's wrong answer
+        detail = f"probe returned {type(result).__name__}, not a ProbeResult"
+        result = ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     duration = int((time.perf_counter() - started) * 1000)
     return ProbeResult(
         result.finding, result.business_reference, result.detail, result.summary, duration

@@ -166,6 +166,27 @@ def always_present(invocation: Invocation) -> probes.ProbeResult:
     return probes.ProbeResult(probes.Finding.PRESENT, business_reference="RF-python")
 
 
+def test_a_python_probe_that_answers_wrongly_is_inconclusive(
+    api: Api, refunds: Capability, settings: Any
+) -> None:
+    """Not a crash: a task that raised would leave its lease to expire, be claimed
+    again and raise again, forever, two events per round."""
+    flagged(api)
+    refunds.probe = {"kind": "python", "callable": f"{__name__}.answers_with_a_dict"}
+    refunds.save()
+    settings.LEDGER_PYTHON_PROBES = [refunds.probe["callable"]]
+    assert reconcile_invocation.run("inv-1") == "recorded"
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.probe_tries) == ("reconciliation_required", 1)
+    probe_run = invocation.events.get(kind="probe_run").data
+    assert probe_run["finding"] == "inconclusive"
+    assert probe_run["detail"] == "probe returned dict, not a ProbeResult"
+
+
+def answers_with_a_dict(invocation: Invocation) -> dict[str, str]:
+    return {"finding": "effect_present"}
+
+
 def test_only_one_claim_holds_and_an_expired_lease_reopens(api: Api, refunds: Capability) -> None:
     flagged(api)
     now = timezone.now()
