@@ -11,11 +11,15 @@
     if result.kind == "succeeded": ...
     elif result.reconciliation_required: ...   # never retry this yourself
 
-The tool is called only after the ledger admitted the attempt. An exception from
+The tool is called only after the ledger admitted the attempt, in answer to this
+very request (201): an admission replayed (200), as after a crash or when another
+process won the same attempt id, may already have been dispatched, so it is left to
+its outcome or to reconciliation (`attempt_in_flight`). An exception from
 the tool is an outcome, not a crash: `BusinessFailure` → business_failed,
 `NotDispatched` → pre_dispatch_rejected, `DispatchNotEstablished` →
 dispatch_not_established, anything else → post_dispatch_evidence_failed. An outcome
-the ledger cannot take is kept in the durable spool and delivered by `flush()`; the
+the ledger cannot take (down, rate-limited past the retries, or answered for by a
+proxy's error page) is kept in the durable spool and delivered by `flush()`; the
 caller then gets `post_dispatch_evidence_failed`, never a generic error.
 
 Depends on httpx only (no Django): this package can be copied or vendored alone.
@@ -88,7 +92,34 @@ class InvocationResult:
     flags: list[str] = field(default_factory=list)
 
 
-SAFE_STATUS = 503  # ledger_unavailable: nothing was recorded
+def not_dispatched(invocation_id: str, task_id: str, why: str) -> InvocationResult:
+    """The ledger did not confirm an admission: the tool was not called, try again."""
+    return InvocationResult(
+        "pre_dispatch_rejected", invocation_id, None, task_id, None,
+        retryable=True, reconciliation_required=False, next_action="retry", error=why,
+    )  # fmt: skip
+
+
+MAX_RETRY_AFTER = 10.0  # seconds: longer and the caller had better decide itself
+
+
+def _ledger_json(response: httpx.Response) -> Any:
+    """The body when it is the ledger's JSON object, else None."""
+    if not response.headers.get("content-type", "").startswith("application/json"):
+        return None
+    try:
+        payload = response.json()
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _retry_after(response: httpx.Response) -> float:
+    try:
+        seconds = float(response.headers.get("retry-after", 0))
+    except ValueError:  # an HTTP date: the ledger never sends one
+        return 0.0
+    return min(seconds, MAX_RETRY_AFTER) if seconds > 0 else 0.0  # NaN is not > 0
 
 
 class LedgerClient:
@@ -111,6 +142,8 @@ class LedgerClient:
         )
         self.spool = Spool(spool) if spool else None
         self.retries = retries
+        # Intents sent but not confirmed, by invocation_id, for `retry` to send again.
+        self._unconfirmed: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
         self.http.close()
@@ -118,9 +151,16 @@ class LedgerClient:
     # Transport ------------------------------------------------------------
 
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """Resend only what the API marks safe: a 503 ledger_unavailable, or a
-        connection refused before anything was sent."""
+        """The ledger's typed answer, resending what it did not take.
+
+        Resent: a 503 `ledger_unavailable` or a 429 `rate_limited` (nothing recorded),
+        a connection refused before anything was sent, and an answer that is not the
+        ledger's JSON (a proxy's 502 page, a crash): every call of this API replays
+        safely, and a resent admission that had in fact been recorded comes back as a
+        200 replay, which `_refusal` never dispatches.
+        """
         for attempt in range(self.retries + 1):
+            wait = 0.2 * 2**attempt
             try:
                 response = self.http.request(method, path, json=body)
             except httpx.ConnectError as exc:
@@ -128,12 +168,16 @@ class LedgerClient:
             except httpx.HTTPError as exc:
                 raise LedgerUnreachable(f"{type(exc).__name__}: {exc}") from exc
             else:
-                payload = response.json() if response.content else None
-                if response.status_code != SAFE_STATUS:
+                payload = _ledger_json(response)
+                if payload is None:
+                    last = f"{response.status_code} without an answer from the ledger"
+                elif response.status_code not in (429, 503):
                     return response.status_code, payload
-                last = "ledger_unavailable"
+                else:
+                    last = payload.get("error", {}).get("type") or str(response.status_code)
+                    wait = max(wait, _retry_after(response))
             if attempt < self.retries:
-                time.sleep(0.2 * 2**attempt)
+                time.sleep(wait)
         raise LedgerUnreachable(last)
 
     # The protocol -----------------------------------------------------------
@@ -166,20 +210,7 @@ class LedgerClient:
             intent["subject"] = subject
         if approval:
             intent["approval"] = dict(approval)
-        try:
-            status, body = self._request("POST", "/api/v1/intents", intent)
-        except LedgerUnreachable as exc:
-            # Nothing was dispatched: the tool is not called, and trying later is safe.
-            return InvocationResult(
-                "pre_dispatch_rejected", invocation_id, None, task_id, None,
-                retryable=True, reconciliation_required=False, next_action="retry",
-                error=f"intent not recorded: {exc}",
-            )  # fmt: skip
-        refused = self._refusal(status, body, invocation_id, attempt_id, task_id)
-        if refused:
-            return refused
-        context = CallContext(invocation_id, attempt_id, idempotency_key)
-        return self._dispatch(context, task_id, call, reference)
+        return self._write_ahead(intent, call, reference)
 
     def retry(
         self,
@@ -188,26 +219,69 @@ class LedgerClient:
         *,
         reference: Callable[[Any], str] | None = None,
     ) -> InvocationResult:
-        """A new attempt under the same ids and key, only if the ledger admits it."""
-        status, current = self._request("GET", f"/api/v1/invocations/{invocation_id}")
-        if status != 200:
-            raise LedgerRequestError(status, current)
-        attempt_id = f"a{len(current['attempts']) + 1}"
-        status, body = self._request(
-            "POST", f"/api/v1/invocations/{invocation_id}/attempts", {"attempt_id": attempt_id}
-        )
+        """A new attempt under the same ids and key, only if the ledger admits it.
+
+        After an intent the ledger did not confirm, this sends that intent again."""
+        if invocation_id in self._unconfirmed:
+            return self._write_ahead(self._unconfirmed[invocation_id], call, reference)
+        try:
+            status, current = self._request("GET", f"/api/v1/invocations/{invocation_id}")
+            if status != 200:
+                raise LedgerRequestError(status, current)
+            attempt_id = f"a{len(current['attempts']) + 1}"
+            status, body = self._request(
+                "POST", f"/api/v1/invocations/{invocation_id}/attempts", {"attempt_id": attempt_id}
+            )
+        except LedgerUnreachable as exc:
+            # An admission whose answer was lost stays in flight: the next retry asks for
+            # the attempt after it and is refused, so the tool is never called for it.
+            return not_dispatched(invocation_id, "", f"attempt not confirmed: {exc}")
         refused = self._refusal(status, body, invocation_id, attempt_id, current["task_id"])
         if refused:
             return refused
         context = CallContext(invocation_id, attempt_id, current["idempotency_key"])
         return self._dispatch(context, current["task_id"], call, reference)
 
+    def _write_ahead(
+        self,
+        intent: dict[str, Any],
+        call: Callable[[CallContext], Any],
+        reference: Callable[[Any], str] | None,
+    ) -> InvocationResult:
+        invocation_id, task_id = intent["invocation_id"], intent["task_id"]
+        try:
+            status, body = self._request("POST", "/api/v1/intents", intent)
+        except LedgerUnreachable as exc:
+            # The intent may have been recorded all the same (an answer lost on its way
+            # back), binding the key to this invocation_id: `retry` sends it again.
+            self._unconfirmed[invocation_id] = intent
+            return not_dispatched(invocation_id, task_id, f"intent not confirmed: {exc}")
+        self._unconfirmed.pop(invocation_id, None)
+        refused = self._refusal(status, body, invocation_id, intent["attempt_id"], task_id)
+        if refused:
+            return refused
+        context = CallContext(invocation_id, intent["attempt_id"], intent["idempotency_key"])
+        return self._dispatch(context, task_id, call, reference)
+
     def _refusal(
         self, status: int, body: Any, invocation_id: str, attempt_id: str, task_id: str
     ) -> InvocationResult | None:
-        if status in (200, 201) and body.get("status") == "in_flight":
+        """None when this request admitted the attempt: the tool may be called now.
+
+        Only a 201 admits. A 200 replays an attempt admitted earlier, by an answer that
+        got lost or by another process that may already have called the tool: calling
+        it again could be a second effect, so that attempt is left to its outcome or,
+        when none comes, to reconciliation.
+        """
+        if status == 201 and body.get("status") == "in_flight":
             return None
         error = body.get("error", {}) if isinstance(body, Mapping) else {}
+        if status == 200 and body.get("status") == "in_flight":
+            error = {
+                "type": "attempt_in_flight",
+                "message": f"attempt {attempt_id} was admitted before and awaits its outcome;"
+                " the ledger reconciles it if none arrives",
+            }
         if status in (200, 201) or error.get("type") in ("attempt_refused", "attempt_in_flight"):
             state = body if status in (200, 201) else error.get("details", {}).get("state", {})
             return InvocationResult(

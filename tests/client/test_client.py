@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
+import pytest
 
 from ledger.client import (
     BusinessFailure,
@@ -271,3 +276,155 @@ def test_a_second_attempt_while_one_is_in_flight_is_refused_locally(
     assert result.kind == "succeeded"
     assert (seen[0].kind, seen[0].status) == ("attempt_in_flight", "in_flight")
     assert inner_tool.calls == []
+
+
+def test_an_attempt_admitted_before_is_never_called_again(live_server: Any, token: str) -> None:
+    """A runtime that died after dispatch and re-invokes under the same invocation_id
+    gets a replayed admission (200): the tool may have run, so it is not called again."""
+    client = LedgerClient(live_server.url, token)
+    crashed = Tool(KeyboardInterrupt())  # the process dies after dispatch, before its outcome
+    with pytest.raises(KeyboardInterrupt):
+        invoke(client, crashed, invocation_id="inv-restarted")
+    assert len(crashed.calls) == 1
+
+    tool = Tool()
+    again = invoke(client, tool, invocation_id="inv-restarted")
+    assert tool.calls == []
+    assert (again.kind, again.status, again.next_action) == (
+        "attempt_in_flight",
+        "in_flight",
+        "await_outcome",
+    )
+    assert "admitted before" in again.error
+    assert Invocation.objects.get().attempts.count() == 1
+
+
+class InterposedTransport(httpx.HTTPTransport):
+    """Lets a test act before chosen requests reach the ledger, or answer in its place."""
+
+    def __init__(self, interpose: Callable[[httpx.Request], httpx.Response | None]) -> None:
+        super().__init__()
+        self.interpose = interpose
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        answer = self.interpose(request)
+        return answer if answer is not None else super().handle_request(request)
+
+
+def test_of_two_processes_retrying_at_once_only_the_admitted_one_calls(
+    live_server: Any, token: str
+) -> None:
+    first = invoke(
+        LedgerClient(live_server.url, token), Tool(BusinessFailure("busy", retryable=True))
+    )
+    path = f"/api/v1/invocations/{first.invocation_id}/attempts"
+    other_process = LedgerClient(live_server.url, token)
+    admitted: list[tuple[int, Any]] = []
+
+    def other_process_first(request: httpx.Request) -> None:
+        # Between this client's read of the attempts and its own admission request, the
+        # other process is admitted under the same next attempt id and calls the tool.
+        if request.url.path == path and not admitted:
+            admitted.append(other_process._request("POST", path, {"attempt_id": "a2"}))
+
+    racing = LedgerClient(
+        live_server.url, token, transport=InterposedTransport(other_process_first)
+    )
+    tool = Tool()
+    lost = racing.retry(first.invocation_id, tool)
+    assert admitted[0][0] == 201
+    assert tool.calls == []
+    assert (lost.kind, lost.attempt_id, lost.status) == ("attempt_in_flight", "a2", "in_flight")
+
+
+def test_a_proxy_error_page_instead_of_the_outcome_answer_spools_the_outcome(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """A load balancer's 502 page is no answer from the ledger: after dispatch, that is
+    post_dispatch_evidence_failed with the outcome spooled, never a decoding crash."""
+    bad_gateway = httpx.Response(502, headers={"content-type": "text/html"}, text="<h1>502</h1>")
+    client = LedgerClient(
+        live_server.url,
+        token,
+        spool=str(tmp_path / "spool.jsonl"),
+        retries=1,
+        transport=InterposedTransport(
+            lambda request: bad_gateway if request.url.path.endswith("/outcome") else None
+        ),
+    )
+    tool = Tool()
+    result = invoke(client, tool)
+    assert len(tool.calls) == 1
+    assert (result.kind, result.reconciliation_required) == ("post_dispatch_evidence_failed", True)
+    assert "502 without an answer from the ledger" in result.error
+    assert "kept in the spool" in result.error
+    assert not Outcome.objects.exists()
+
+    report = LedgerClient(live_server.url, token, spool=str(tmp_path / "spool.jsonl")).flush()
+    assert (report.delivered, report.remaining) == (1, 0)
+    assert Outcome.objects.get().kind == "succeeded"
+
+
+def test_a_rate_limited_outcome_is_sent_again_after_retry_after(
+    live_server: Any, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ledger.api import throttling
+
+    # One request a second: the intent spends it, and the outcome is refused (429).
+    monkeypatch.setattr(throttling.RuntimeTokenThrottle, "rate", "1/s")
+    throttling.RuntimeTokenThrottle.reset()
+    statuses: list[int] = []
+    client = LedgerClient(live_server.url, token)
+    client.http.event_hooks["response"].append(
+        lambda response: statuses.append(response.status_code)
+    )
+    tool = Tool()
+    result = invoke(client, tool)
+    throttling.RuntimeTokenThrottle.reset()
+    assert statuses == [201, 429, 201]
+    assert (result.kind, result.status) == ("succeeded", "succeeded")
+    assert len(tool.calls) == 1
+    assert Outcome.objects.get().kind == "succeeded"
+
+
+def test_after_the_ledger_was_down_a_retry_sends_the_intent_again(
+    proxy: TcpProxy, token: str
+) -> None:
+    client = LedgerClient(proxy.url, token, retries=0)
+    proxy.stop()
+    tool = Tool()
+    down = invoke(client, tool)
+    assert (down.kind, down.retryable, down.next_action) == ("pre_dispatch_rejected", True, "retry")
+    assert tool.calls == [] and not Invocation.objects.exists()
+    proxy.start()
+    done = client.retry(down.invocation_id, tool, reference=lambda v: v["id"])
+    assert (done.kind, done.attempt_id, done.business_reference) == ("succeeded", "a1", "RF-1")
+    assert len(tool.calls) == 1
+    assert Invocation.objects.get().invocation_id == down.invocation_id
+
+
+def test_an_intent_recorded_but_unanswered_is_not_dispatched_on_retry(
+    live_server: Any, token: str
+) -> None:
+    """The answer admitting a1 was lost: the client cannot tell whether it called the
+    tool, so a1 is left to reconciliation rather than called (perhaps) twice."""
+    courier = LedgerClient(live_server.url, token)
+
+    def record_then_lose_the_answer(request: httpx.Request) -> None:
+        if request.url.path == "/api/v1/intents" and not Invocation.objects.exists():
+            courier._request("POST", "/api/v1/intents", json.loads(request.content))
+            raise httpx.ReadTimeout("the answer never came", request=request)
+
+    client = LedgerClient(
+        live_server.url, token, transport=InterposedTransport(record_then_lose_the_answer)
+    )
+    tool = Tool()
+    lost = invoke(client, tool)
+    assert (lost.kind, lost.retryable) == ("pre_dispatch_rejected", True)
+    again = client.retry(lost.invocation_id, tool)
+    assert tool.calls == []
+    assert (again.kind, again.status, again.next_action) == (
+        "attempt_in_flight",
+        "in_flight",
+        "await_outcome",
+    )
