@@ -13,7 +13,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Min, Q
+from django.db.models import Case, Count, Min, Q, When
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -38,8 +38,13 @@ def actor(request: HttpRequest) -> str:
 # The queue --------------------------------------------------------------------
 
 
+QUEUE_LIMIT = 500
+RISK_FIRST = Case(When(risk_level="high", then=0), When(risk_level="medium", then=1), default=2)
+
+
 def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
-    """The flagged invocations the filter selects, riskiest first, then oldest.
+    """The flagged invocations the filter selects, riskiest first, then oldest; at
+    most QUEUE_LIMIT + 1 of them, the extra one only to tell that there are more.
 
     A filter that does not parse selects nothing and is shown as an error, as in the
     audit search: an operator must never take the whole queue for a filtered one.
@@ -64,8 +69,10 @@ def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
             rows = rows.filter(assignee=user.get_username())
         elif data["mine"] == "unclaimed":
             rows = rows.filter(assignee="")
-    risk_order = {"high": 0, "medium": 1, "low": 2}
-    return sorted(rows.order_by("updated_at")[:500], key=lambda r: risk_order[r.risk_level])
+    # Sorted in SQL before the limit: a high-risk invocation must never be cut off
+    # behind hundreds of older low-risk ones.
+    rows = rows.alias(risk_first=RISK_FIRST).order_by("risk_first", "updated_at", "id")
+    return list(rows[: QUEUE_LIMIT + 1])
 
 
 def status_counts() -> dict[str, int]:
@@ -79,7 +86,14 @@ def status_counts() -> dict[str, int]:
 @role_required(*READERS)
 def queue(request: HttpRequest) -> HttpResponse:
     form = QueueFilterForm(request.GET or None)
-    context = {"form": form, "rows": queue_rows(form, request.user), "counts": status_counts()}
+    rows = queue_rows(form, request.user)
+    context = {
+        "form": form,
+        "rows": rows[:QUEUE_LIMIT],
+        "more": len(rows) > QUEUE_LIMIT,
+        "limit": QUEUE_LIMIT,
+        "counts": status_counts(),
+    }
     return render(request, fragment(request, "reconciliation/queue.html", "queue-rows"), context)
 
 

@@ -204,6 +204,37 @@ def test_the_queue_and_the_invocation_page_keep_their_query_counts(
     assert len(detail) <= 8, [q["sql"][:80] for q in detail]
 
 
+def test_a_risky_invocation_is_never_cut_off_behind_older_safer_ones(
+    api: Api, refund: Capability, operator: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from reconciliation import views
+
+    monkeypatch.setattr(views, "QUEUE_LIMIT", 3)
+    Capability.objects.create(scope="note.add", risk_level="low")
+    items = [
+        {"type": "intent", "invocation_id": f"{scope}-{n}", "task_id": "t", "capability": scope,
+         "subject": f"customer-{n}", "arguments": {}, "idempotency_key": f"k-{n}",
+         "attempt_id": "a1"}
+        for scope, count in (("note.add", 4), ("refund.create", 1)) for n in range(count)
+    ]  # fmt: skip
+    api.post("/api/v1/evidence", items)
+    deadline = Invocation.objects.get(invocation_id="refund.create-0").deadline_at
+    assert deadline is not None
+    for n in range(4):  # the low-risk ones are flagged first, so they are the oldest
+        flag_missing_evidence(invocation_id=f"note.add-{n}", now=deadline)
+    flag_missing_evidence(invocation_id="refund.create-0", now=deadline + dt.timedelta(minutes=5))
+
+    page = operator.get("/").content.decode()
+    rows = re.findall(r'href="/invocations/([^/]+)/"', page.split('id="queue-rows"')[1])
+    assert rows == ["refund.create-0", "note.add-0", "note.add-1"]
+    assert "<td>customer-0</td>" in page
+    assert "more are waiting" in page
+    narrowed = operator.get("/", {"risk": "low", "older_than_minutes": ""}).content.decode()
+    assert "more are waiting" in narrowed  # four low-risk ones, three shown
+    one = operator.get("/", {"capability": "refund.create"}).content.decode()
+    assert "more are waiting" not in one
+
+
 def test_login_attempts_are_throttled(db: None, client: Client) -> None:
     User.objects.create_user("eve", password="right")
     for _ in range(5):
