@@ -125,7 +125,7 @@ class LedgerCollector(Collector):
             flagged.add_metric([status.value], counts.get(status.value, 0))
         yield flagged
 
-        oldest = Invocation.objects.flagged().aggregate(at=Min("updated_at"))["at"]
+        oldest = Invocation.objects.flagged().aggregate(at=Min("flagged_at"))["at"]
         yield GaugeMetricFamily(
             "ledger_invocations_flagged_oldest_seconds",
             "How long the longest-waiting flagged invocation has waited (0 if none).",

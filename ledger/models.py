@@ -274,6 +274,9 @@ class Invocation(models.Model):
     event_count = models.PositiveIntegerField(default=0)
     head_hash = models.CharField(max_length=64)
     updated_at = models.DateTimeField(default=timezone.now)
+    # When it last came to need reconciliation; None while it does not. Claims, probe
+    # tries and proposals keep it, so the queue's age is the wait, not the last touch.
+    flagged_at = models.DateTimeField(null=True, blank=True)
     # Reconciliation's bookkeeping, part of the projection too.
     # Database defaults too, so rows written in bulk by SQL (COPY) need not name them.
     lease_owner = models.CharField(max_length=160, blank=True, default="", db_default="")
@@ -328,9 +331,9 @@ class Invocation(models.Model):
                 condition=Q(status=policy.Status.RECONCILING.value),
                 name="invocation_reconciling_lease",
             ),
-            # The reconciliation queue: flagged invocations by age.
+            # The reconciliation queue: flagged invocations by how long they waited.
             models.Index(
-                fields=["updated_at"],
+                fields=["flagged_at"],
                 condition=Q(status__in=sorted(s.value for s in policy.NEEDS_RECONCILIATION)),
                 name="invocation_flagged_age",
             ),

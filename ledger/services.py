@@ -218,6 +218,11 @@ class _Work:
         event.hash = chain.event_hash(event.prev_hash, event_body(event, invocation.invocation_id))
         invocation.head_hash = event.hash
         invocation.updated_at = self.now
+        # Every change of state comes with its event, so here the wait is timed.
+        if invocation.status in policy.NEEDS_RECONCILIATION:
+            invocation.flagged_at = invocation.flagged_at or self.now
+        else:
+            invocation.flagged_at = None
         self.new_events.append((event, invocation.invocation_id))
         if invocation.pk is not None:
             self.dirty[invocation.invocation_id] = invocation

@@ -101,7 +101,7 @@ PROJECTION_FIELDS = [
     (name, name) for name in (
         "status", "failure_class", "cause", "resolution", "flags", "attempt_count",
         "in_flight_attempt", "deadline_at", "event_count", "head_hash", "updated_at",
-        "lease_owner", "lease_expires_at", "probe_tries", "next_probe_at", "proposal",
+        "flagged_at", "lease_owner", "lease_expires_at", "probe_tries", "next_probe_at", "proposal",
         "assignee",
     )
 ]  # fmt: skip

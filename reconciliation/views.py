@@ -64,14 +64,14 @@ def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
             rows = rows.filter(cause=data["cause"])
         if data["older_than_minutes"]:
             cutoff = timezone.now() - dt.timedelta(minutes=data["older_than_minutes"])
-            rows = rows.filter(updated_at__lte=cutoff)
+            rows = rows.filter(flagged_at__lte=cutoff)
         if data["mine"] == "mine":
             rows = rows.filter(assignee=user.get_username())
         elif data["mine"] == "unclaimed":
             rows = rows.filter(assignee="")
     # Sorted in SQL before the limit: a high-risk invocation must never be cut off
     # behind hundreds of older low-risk ones.
-    rows = rows.alias(risk_first=RISK_FIRST).order_by("risk_first", "updated_at", "id")
+    rows = rows.alias(risk_first=RISK_FIRST).order_by("risk_first", "flagged_at", "id")
     return list(rows[: QUEUE_LIMIT + 1])
 
 
@@ -304,7 +304,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     )
     context = {
         "by_status": Invocation.objects.values("status").annotate(n=Count("id")).order_by("status"),
-        "oldest": Invocation.objects.flagged().aggregate(oldest=Min("updated_at"))["oldest"],
+        "oldest": Invocation.objects.flagged().aggregate(oldest=Min("flagged_at"))["oldest"],
         "by_capability": Invocation.objects.flagged()
         .values("capability_scope")
         .annotate(n=Count("id"))

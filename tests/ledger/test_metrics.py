@@ -66,10 +66,12 @@ def test_the_figures_are_the_ledgers(api: Api, refund: Capability, client: Clien
         "escalated": 1,
         "resolution_proposed": 0,
     }
-    # Flagged at its deadline, 90 s ahead; the escalation happened now: it waited longest.
+    # Each was flagged at its deadline, 90 s ahead, inv-waiting first. inv-no-probe's
+    # escalation, just now, touched it last but did not restart its wait.
     escalated = Invocation.objects.get(invocation_id="inv-no-probe")
-    assert escalated.updated_at < waiting.updated_at
-    waited = (flying.deadline_at - escalated.updated_at).total_seconds()
+    assert waiting.flagged_at is not None and escalated.flagged_at is not None
+    assert escalated.updated_at < waiting.flagged_at < escalated.flagged_at
+    waited = (flying.deadline_at - waiting.flagged_at).total_seconds()
     assert at_deadline[("ledger_invocations_flagged_oldest_seconds", ())] == pytest.approx(waited)
     assert at_deadline[("ledger_invocations_in_flight", ())] == 1
     assert before_deadline[("ledger_invocations_overdue", ())] == 0
