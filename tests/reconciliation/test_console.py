@@ -450,3 +450,16 @@ def test_a_filter_that_does_not_parse_shows_nothing_but_the_error(
     (name,) = bad
     assert f"<li>{name}: " in rows and "inv-1" not in rows
     assert "Fix the filter above" in rows
+
+
+def test_the_invocation_page_calls_a_capability_undeclared_only_as_the_api_does(
+    flagged: str, api: Api, operator: Client
+) -> None:
+    registered = operator.get("/invocations/inv-1/").content.decode()
+    assert "refund.create (registered without a declaration, risk medium)" in registered
+    status, state = api.intent(
+        invocation_id="inv-2", capability="unknown.tool", idempotency_key="k"
+    )
+    assert (status, state["flags"]) == (201, ["undeclared"])
+    undeclared = operator.get("/invocations/inv-2/").content.decode()
+    assert "unknown.tool (undeclared, risk high)" in undeclared
