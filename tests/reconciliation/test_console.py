@@ -180,6 +180,10 @@ def test_high_risk_needs_a_second_different_approver(
         operator.post("/invocations/inv-1/approve", {"seen_event_count": seen}).status_code == 403
     )
     self_approver = person("ada", "operator", "approver")
+    page = self_approver.get("/invocations/inv-1/").content.decode()
+    assert '<label for="id_note">note (optional)</label>' in page
+    assert "A person's resolution awaits a second person below." in page
+    assert "Resolve it below" not in page
     self_approver.post("/invocations/inv-1/reject", {"seen_event_count": seen, "note": "check"})
     assert Invocation.objects.get().status == "escalated"
 
