@@ -22,8 +22,17 @@ EXPORT_COLUMNS = [
 
 
 class AuditFilterForm(forms.Form):
-    since = forms.DateTimeField(required=False, help_text="from (UTC)")
-    until = forms.DateTimeField(required=False, help_text="before (UTC)")
+    # The ledger's clock is UTC: the label says so, the placeholder shows the format.
+    since = forms.DateTimeField(
+        required=False,
+        label="Since (UTC)",
+        widget=forms.DateTimeInput(attrs={"placeholder": "2026-12-31 09:00"}),
+    )
+    until = forms.DateTimeField(
+        required=False,
+        label="Until (UTC)",
+        widget=forms.DateTimeInput(attrs={"placeholder": "2026-12-31 18:00"}),
+    )
     runtime = forms.CharField(required=False)
     task_id = forms.CharField(required=False)
     invocation_id = forms.CharField(required=False)

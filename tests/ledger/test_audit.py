@@ -100,6 +100,7 @@ def test_each_filter_matches_a_direct_sql_count(
 def test_pages_follow_a_keyset_without_overlap(history: None, reviewer: Client) -> None:
     first = reviewer.get("/audit/").content.decode()
     assert "Next page" in first and "OFFSET" not in first
+    assert "Since (UTC)" in first and "Until (UTC)" in first  # the ledger's clock
     assert len(search_ids(reviewer)) == 60
     oldest = search_ids(reviewer, order="oldest")
     assert oldest == search_ids(reviewer)
