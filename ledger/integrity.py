@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Min, Q
 from django.utils import timezone
 
 from ledger import chain
@@ -46,10 +46,18 @@ def seal_events(*, now: dt.datetime | None = None) -> Seal | None:
         cursor.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.seal_events'))")
     now = now or timezone.now()
     last = Seal.objects.order_by("-last_sequence").first()
-    since = (last.created_at - SEAL_LOOKBACK) if last else None
     unsealed = Event.objects.filter(sealed__isnull=True)
-    if since is not None:
-        unsealed = unsealed.filter(created_at__gte=since)
+    if last is not None:
+        # Committed since the last seal: stamped after its lookback, or inserted after
+        # the first event it sealed. Ids are drawn at insert, moments before commit,
+        # so the second catches what the first misses: events stamped by a web host
+        # whose clock is behind the sealer's.
+        first_of_last = SealedEvent.objects.filter(sequence__gte=last.first_sequence).aggregate(
+            id=Min("event_id")
+        )["id"]
+        unsealed = unsealed.filter(
+            Q(created_at__gte=last.created_at - SEAL_LOOKBACK) | Q(id__gte=first_of_last)
+        )
     events = list(unsealed.order_by("created_at", "id").values_list("id", "hash")[:SEAL_BATCH])
     if not events:
         return None

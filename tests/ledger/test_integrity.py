@@ -3,6 +3,7 @@ exactly where it happened; an untouched ledger verifies clean."""
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 
 import pytest
@@ -10,8 +11,9 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import IntegrityError, connection, transaction
 from django.db.utils import ProgrammingError
+from django.utils import timezone
 
-from ledger import chain
+from ledger import chain, services
 from ledger.integrity import merkle_root, seal_events, verify
 from ledger.models import Capability, Event, Seal, SealedEvent
 from tests.conftest import Api
@@ -117,6 +119,26 @@ def test_seals_number_events_contiguously_and_chain(ledger: Api) -> None:
     assert seal_events() is None  # nothing new
     hashes = SealedEvent.objects.filter(seal=first).order_by("sequence")
     assert first.merkle_root == merkle_root(hashes.values_list("event__hash", flat=True))
+
+
+def test_an_event_from_a_host_whose_clock_is_behind_is_sealed_all_the_same(
+    ledger: Api,
+) -> None:
+    """A web host whose clock runs 20 minutes slow stamps its events before the last
+    seal's lookback; they are committed now, so the next seal must still take them."""
+    assert seal_events() is not None  # inv-4's intent: the newest seal is now
+    slow = timezone.now() - dt.timedelta(minutes=20)
+    noted = services.invocation_transition(
+        invocation_id="inv-4", actor="user:olga", kind="assigned",
+        change=lambda invocation: {"assignee": "olga"}, now=slow,
+    )  # fmt: skip
+    assert noted is not None
+    late = Event.objects.get(invocation__invocation_id="inv-4", seq=2)
+    assert late.created_at == slow
+    seal = seal_events()
+    assert seal is not None and seal.event_count == 1
+    assert SealedEvent.objects.get(event=late).seal == seal
+    assert verify().ok
 
 
 def test_a_second_seal_over_the_same_sequence_is_refused(ledger: Api) -> None:
