@@ -37,13 +37,14 @@ def _not_stale(invocation: Invocation, seen_event_count: int | None) -> None:
         )
 
 
-def probe_requested(*, invocation_id: str, actor: str) -> None:
-    """An operator asked for the probe to run now: recorded, state unchanged."""
+def probe_requested(*, invocation_id: str, actor: str, queued: bool) -> None:
+    """An operator asked for the probe to run now, and whether the broker took the
+    job: recorded, state unchanged."""
     invocation_transition(
         invocation_id=invocation_id,
         actor=actor,
         kind="probe_requested",
-        change=lambda invocation: {"status": invocation.status},
+        change=lambda invocation: {"status": invocation.status, "queued": queued},
     )
 
 

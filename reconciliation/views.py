@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 from typing import Any
 
 from django.contrib import messages
@@ -18,6 +19,7 @@ from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 from ledger import chain, policy
 from ledger.metrics import background_work
@@ -29,6 +31,8 @@ from reconciliation.forms import DecisionForm, QueueFilterForm, ResolveForm
 from reconciliation.tasks import reconcile_invocation
 
 FLAGGED = sorted(s.value for s in policy.NEEDS_RECONCILIATION)
+
+log = logging.getLogger(__name__)
 
 
 def actor(request: HttpRequest) -> str:
@@ -286,8 +290,18 @@ def probe_now(request: HttpRequest, invocation_id: str) -> HttpResponse:
     if not has_probe(invocation):
         messages.error(request, "Its capability has no probe; resolve it below.")
         return _after_action(request, invocation_id, "")
-    services.probe_requested(invocation_id=invocation_id, actor=actor(request))
-    reconcile_invocation.delay(invocation_id, force=True)
+    try:
+        reconcile_invocation.delay(invocation_id, force=True)
+    except KombuOperationalError as exc:
+        log.warning("probe not queued invocation=%s error=%s", invocation_id, exc)
+        services.probe_requested(invocation_id=invocation_id, actor=actor(request), queued=False)
+        messages.error(
+            request,
+            "The probe is not queued: the task broker is unreachable. Your request is "
+            "recorded; try again once the broker is back.",
+        )
+        return _after_action(request, invocation_id, "")
+    services.probe_requested(invocation_id=invocation_id, actor=actor(request), queued=True)
     return _after_action(request, invocation_id, "Probe queued; this page shows its result.")
 
 

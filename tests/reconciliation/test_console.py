@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -321,7 +322,39 @@ def test_rerunning_the_probe_is_recorded_as_the_operators_action(
     assert "Re-run probe now" in operator.get("/invocations/inv-1/").content.decode()
     operator.post("/invocations/inv-1/probe")
     event = Invocation.objects.get().events.get(kind="probe_requested")
-    assert event.actor == "user:olga"
+    assert (event.actor, event.data["queued"]) == ("user:olga", True)
+
+
+@pytest.fixture
+def broker_down() -> Iterator[None]:
+    """The console's Celery app publishes to a port where nothing listens."""
+    from ledger.celery import app
+
+    def publish_to(url: str | None) -> None:
+        # The app keeps a connection pool and a producer pool for the URL it started on.
+        app.conf.broker_write_url = url
+        app._pool = None
+        app.amqp._producer_pool = None
+
+    publish_to("redis://127.0.0.1:9/0")
+    try:
+        yield
+    finally:
+        publish_to(None)
+
+
+def test_a_probe_the_broker_cannot_take_is_reported_not_a_500(
+    api: Api, refunds: Capability, operator: Client, broker_down: None
+) -> None:
+    flag(api)
+    response = operator.post("/invocations/inv-1/probe", follow=True)
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "the task broker is unreachable" in page
+    assert "Probe queued" not in page
+    # The operator's request is evidence of what they did, queued or not.
+    requested = Invocation.objects.get().events.get(kind="probe_requested")
+    assert requested.data["queued"] is False
 
 
 def test_without_a_probe_none_is_offered_or_run(flagged: str, operator: Client) -> None:
