@@ -23,10 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     report = client.flush()
     print(f"delivered {report.delivered}, remaining {report.remaining}")
     for line in report.damaged:
-        print(f"damaged: {line}")
+        print(f"damaged (kept in {args.spool}.damaged): {line}")
+    for line in report.refused:
+        print(f"refused (kept in {args.spool}.refused): {line}")
     if report.stopped_by:
         print(f"stopped: {report.stopped_by}")
-    return 0 if not report.remaining and not report.damaged else 1
+    return 0 if not (report.remaining or report.damaged or report.refused) else 1
 
 
 if __name__ == "__main__":

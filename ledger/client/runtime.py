@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from ledger.client.spool import FlushReport, Record, Spool
+from ledger.client.spool import FlushReport, Record, Refused, Spool
 
 
 class BusinessFailure(Exception):
@@ -358,21 +358,26 @@ class LedgerClient:
     # The spool ---------------------------------------------------------------
 
     def flush(self) -> FlushReport:
-        """Deliver spooled outcomes in order; replays are harmless."""
+        """Deliver spooled outcomes in order; replays are harmless.
+
+        Delivery stops, keeping every record, when the ledger is unreachable or refuses
+        the caller (a revoked token, or another runtime's: 401, 403, 404), since a
+        later flush with the right token delivers them. A record refused as invalid
+        (400, 413, 422) can never be taken and is set aside in `<spool>.refused`.
+        """
         if self.spool is None:
             return FlushReport()
-        refused: list[str] = []
 
-        def send(record: Record) -> str | None:
+        def send(record: Record) -> str | Refused | None:
             try:
                 status, body = self._request("POST", record.path, record.body)
             except LedgerUnreachable as exc:
                 return str(exc)
-            if status not in (200, 201):
-                # Resending cannot change the answer: report it, keep going.
-                refused.append(f"{record.path}: {status} {body}")
-            return None
+            error = body.get("error", {}) if isinstance(body, Mapping) else {}
+            if status in (200, 201) or error.get("type") == "outcome_conflict":
+                return None  # recorded; a conflicting claim is kept by the ledger as evidence
+            if status in (400, 413, 422):
+                return Refused(status, f"{error.get('type')}: {error.get('message')}")
+            return f"{status} {error.get('type')}: {error.get('message')}"
 
-        report = self.spool.deliver(send)
-        report.damaged.extend(f"refused: {line}" for line in refused)
-        return report
+        return self.spool.deliver(send)

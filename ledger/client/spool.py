@@ -3,8 +3,9 @@
 One JSON record per line, each with a CRC32 of its body, appended and fsynced before
 the caller is answered. `deliver` sends records in order; a delivered record is
 removed by rewriting the file atomically (write, fsync, rename). A record that does
-not parse or check (a torn last write) is moved to `<spool>.damaged` and reported —
-never dropped silently. Standard library only.
+not parse or check (a torn last write) is moved to `<spool>.damaged`, and one the
+ledger can never take to `<spool>.refused` with its answer; both are reported, never
+dropped silently. Standard library only.
 """
 
 from __future__ import annotations
@@ -35,7 +36,17 @@ class FlushReport:
     delivered: int = 0
     remaining: int = 0
     damaged: list[str] = field(default_factory=list)  # the damaged lines, as text
+    refused: list[str] = field(default_factory=list)  # set aside: path and the answer
     stopped_by: str | None = None  # why delivery stopped early, if it did
+
+
+@dataclass(frozen=True)
+class Refused:
+    """`send`'s answer for a record the ledger can never take (a 400, say): it is
+    moved to `<spool>.refused` with that answer, never dropped."""
+
+    status: int
+    answer: Any
 
 
 class Spool:
@@ -89,29 +100,46 @@ class Spool:
     def pending(self) -> list[Record]:
         return self._read()[0]
 
-    def deliver(self, send: Callable[[Record], str | None]) -> FlushReport:
-        """Send each record in order. `send` returns None when the record is settled
-        (recorded, replayed, or refused for good), or a reason to stop and keep it."""
+    def deliver(self, send: Callable[[Record], str | Refused | None]) -> FlushReport:
+        """Send each record in order. `send` returns None when the ledger recorded the
+        record (or had it already), `Refused` when it never will, or a reason to stop
+        and keep this record and the ones after it."""
         report = FlushReport()
         with self._locked():
             records, damaged = self._read()
             if damaged:
-                with open(self.path.with_name(self.path.name + ".damaged"), "a") as out:
-                    out.writelines(line + "\n" for line in damaged)
-                    out.flush()
-                    os.fsync(out.fileno())
+                self._set_aside(".damaged", [line + "\n" for line in damaged])
                 report.damaged = damaged
             kept: list[Record] = []
+            refused: list[str] = []
             for index, record in enumerate(records):
-                reason = send(record)
-                if reason is not None:
+                answer = send(record)
+                if isinstance(answer, Refused):
+                    aside = {
+                        "record": {"path": record.path, "body": record.body},
+                        "status": answer.status,
+                        "answer": answer.answer,
+                    }
+                    refused.append(json.dumps(aside, sort_keys=True) + "\n")
+                    report.refused.append(f"{record.path}: {answer.status} {answer.answer}")
+                    continue
+                if answer is not None:
                     kept = records[index:]
-                    report.stopped_by = reason
+                    report.stopped_by = answer
                     break
                 report.delivered += 1
+            if refused:
+                self._set_aside(".refused", refused)
             self._rewrite(kept)
             report.remaining = len(kept)
         return report
+
+    def _set_aside(self, suffix: str, lines: list[str]) -> None:
+        """Append lines to `<spool><suffix>`, durably, before the spool forgets them."""
+        with open(self.path.with_name(self.path.name + suffix), "a") as out:
+            out.writelines(lines)
+            out.flush()
+            os.fsync(out.fileno())
 
     def _rewrite(self, records: list[Record]) -> None:
         temporary = self.path.with_name(self.path.name + ".tmp")

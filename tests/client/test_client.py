@@ -21,7 +21,8 @@ from ledger.client import (
     LedgerClient,
     NotDispatched,
 )
-from ledger.models import Invocation, Outcome
+from ledger.client.spool import Record, Spool
+from ledger.models import Invocation, Outcome, Runtime, RuntimeToken
 from tests.client.conftest import TcpProxy
 from tests.conftest import wait_for
 
@@ -428,3 +429,57 @@ def test_an_intent_recorded_but_unanswered_is_not_dispatched_on_retry(
         "in_flight",
         "await_outcome",
     )
+
+
+def spooled_outcome(live_server: Any, token: str, spool: Path) -> None:
+    """A refund made while the ledger was unreachable for its outcome: one spooled record."""
+    online = LedgerClient(live_server.url, token)
+    intent = {
+        "invocation_id": "inv-spooled", "task_id": "t", "capability": "refund.create",
+        "arguments": {}, "idempotency_key": "k-spooled", "attempt_id": "a1",
+    }  # fmt: skip
+    assert online._request("POST", "/api/v1/intents", intent)[0] == 201
+    offline = LedgerClient("http://127.0.0.1:9", token, spool=str(spool), retries=0)
+    context = CallContext("inv-spooled", "a1", "k-spooled")
+    assert offline._dispatch(context, "t", Tool(), lambda v: v["id"]).kind == (
+        "post_dispatch_evidence_failed"
+    )
+    assert len(Spool(spool).pending()) == 1
+
+
+def test_a_flush_with_a_token_the_ledger_refuses_keeps_every_record(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool.jsonl"
+    spooled_outcome(live_server, token, spool)
+    revoked = RuntimeToken.objects.get()
+    assert revoked.revoke(actor="admin:test")
+    report = LedgerClient(live_server.url, token, spool=str(spool)).flush()
+    assert (report.delivered, report.remaining, report.refused) == (0, 1, [])
+    assert report.stopped_by is not None and "401" in report.stopped_by
+
+    other_runtime = Runtime.objects.create(name="another-runtime")
+    _, wrong_token = RuntimeToken.issue(runtime=other_runtime)
+    report = LedgerClient(live_server.url, wrong_token, spool=str(spool)).flush()
+    assert (report.delivered, report.remaining) == (0, 1)
+    assert report.stopped_by is not None and "404" in report.stopped_by
+
+    _, fresh = RuntimeToken.issue(runtime=revoked.runtime)
+    report = LedgerClient(live_server.url, fresh, spool=str(spool)).flush()
+    assert (report.delivered, report.remaining) == (1, 0)
+    assert Outcome.objects.get().kind == "succeeded"
+
+
+def test_a_record_the_ledger_can_never_take_is_set_aside_with_its_answer(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    spool = Spool(tmp_path / "spool.jsonl")
+    spooled_outcome(live_server, token, spool.path)
+    spool.append(Record("/api/v1/invocations/inv-spooled/attempts/a1/outcome", {"kind": "won"}))
+    report = LedgerClient(live_server.url, token, spool=str(spool.path)).flush()
+    assert (report.delivered, report.remaining, len(report.refused)) == (1, 0, 1)
+    assert "400 validation_failed" in report.refused[0]
+    aside = [
+        json.loads(line) for line in (tmp_path / "spool.jsonl.refused").read_text().splitlines()
+    ]
+    assert [(r["record"]["body"], r["status"]) for r in aside] == [({"kind": "won"}, 400)]
