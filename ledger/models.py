@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from ledger import policy
 from ledger.identifiers import IDENTIFIER_HINT, IDENTIFIER_REGEX
+from ledger.probe_config import validate_probe_config
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -47,7 +48,7 @@ class Capability(models.Model):
     # Argument paths (dotted) masked in the stored copy, on top of secret-looking keys.
     redact_paths = ArrayField(models.CharField(max_length=200), default=list, blank=True)
     # How reconciliation asks the business system what happened (README: probes).
-    probe = models.JSONField(default=dict, blank=True)
+    probe = models.JSONField(default=dict, blank=True, validators=[validate_probe_config])
     # The ACC declaration in force, and its version (1, 2, …; 0: none imported yet).
     # The fields above that ACC defines are derived from it by the registry.
     declaration = models.JSONField(default=dict, blank=True)

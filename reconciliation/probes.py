@@ -13,6 +13,7 @@ A probe never dispatches a business operation. It is configured per capability
                  "reference_path": "id"},
      "absent": {"status": 404}}
 
+The admin checks a configuration when it is saved (ledger/probe_config.py).
 URL templates may use {idempotency_key}, {invocation_id} and {business_reference}
 (URL-quoted). `{secret:NAME}` in a header comes from the setting LEDGER_PROBE_SECRETS
 (environment LEDGER_PROBE_SECRET_NAME) and is never stored or logged. Anything that

@@ -1,0 +1,113 @@
+"""What a capability's probe configuration may say (`Capability.probe`).
+
+reconciliation/probes.py runs the probes; this module only says which configurations
+are well formed, so that an administrator's typo is refused when it is saved rather
+than found by the first invocation that needs it (a probe that can never match turns
+every reconciliation into an escalation). Checked with JSON Schema; settings-dependent
+rules (the python allow-list) are checked beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from jsonschema import Draft202012Validator
+
+# The placeholders an http probe's URL may use (filled URL-quoted by the probe).
+URL_PLACEHOLDERS = ("idempotency_key", "invocation_id", "business_reference")
+_URL_TEMPLATE = r"^https?://[^{}\s]*(\{(" + "|".join(URL_PLACEHOLDERS) + r")\}[^{}\s]*)*$"
+
+_TIMEOUT = {"type": "number", "exclusiveMinimum": 0, "maximum": 60}
+_STATUS = {"type": "integer", "minimum": 100, "maximum": 599}
+_PATH = {"type": "string", "pattern": r"^[^.\s]+(\.[^.\s]+)*$"}
+
+
+def _rule(*, with_reference: bool) -> dict[str, Any]:
+    properties: dict[str, Any] = {"status": _STATUS, "json_path": _PATH, "equals": {}}
+    if with_reference:
+        properties["reference_path"] = _PATH
+    return {
+        "type": "object",
+        "required": ["status"],
+        "properties": properties,
+        "additionalProperties": False,
+        "dependentRequired": {"equals": ["json_path"]},
+    }
+
+
+def _kind(name: str) -> dict[str, Any]:
+    return {"properties": {"kind": {"const": name}}, "required": ["kind"]}
+
+
+SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "properties": {"kind": {"enum": ["none", "http", "python"]}},
+    "allOf": [
+        {
+            "if": {"anyOf": [{"not": {"required": ["kind"]}}, _kind("none")]},
+            "then": {"properties": {"kind": True}, "additionalProperties": False},
+        },
+        {
+            "if": _kind("http"),
+            "then": {
+                "required": ["url"],
+                "properties": {
+                    "kind": True,
+                    "url": {"type": "string", "pattern": _URL_TEMPLATE},
+                    "headers": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "connect_timeout": _TIMEOUT,
+                    "read_timeout": _TIMEOUT,
+                    "present": _rule(with_reference=True),
+                    "absent": _rule(with_reference=False),
+                },
+                "additionalProperties": False,
+            },
+        },
+        {
+            "if": _kind("python"),
+            "then": {
+                "required": ["callable"],
+                "properties": {
+                    "kind": True,
+                    "callable": {"type": "string", "pattern": r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+$"},
+                },
+                "additionalProperties": False,
+            },
+        },
+    ],
+}
+
+_validator = Draft202012Validator(SCHEMA)
+
+_HINTS = {
+    _URL_TEMPLATE: "an http(s) URL; its placeholders can only be "
+    + ", ".join("{" + name + "}" for name in URL_PLACEHOLDERS),
+}
+
+
+def problems(config: Any) -> list[str]:
+    """What is wrong with a probe configuration, each naming where; [] when nothing."""
+    found = []
+    for error in sorted(_validator.iter_errors(config), key=lambda e: list(e.absolute_path)):
+        where = ".".join(str(part) for part in error.absolute_path) or "the configuration"
+        hint = _HINTS.get(error.schema.get("pattern", "")) if error.validator == "pattern" else None
+        found.append(f"{where}: {error.message}" + (f" ({hint})" if hint else ""))
+    if found:
+        return found
+    kind = config.get("kind", "none")
+    if kind == "http" and not ("present" in config or "absent" in config):
+        # With neither rule every answer would be inconclusive.
+        found.append("the configuration: an http probe needs a 'present' or an 'absent' rule")
+    if kind == "python" and config["callable"] not in settings.LEDGER_PYTHON_PROBES:
+        found.append(f"callable: {config['callable']!r} is not listed in LEDGER_PYTHON_PROBES")
+    return found
+
+
+def validate_probe_config(config: Any) -> None:
+    """The model field's validator: the admin shows each problem beside the field."""
+    found = problems(config)
+    if found:
+        raise ValidationError(found)

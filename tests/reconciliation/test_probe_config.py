@@ -1,0 +1,121 @@
+"""A capability's probe configuration is checked when it is saved: each problem named,
+nothing saved. The configurations the project itself uses are valid."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from ledger.models import Capability
+from ledger.probe_config import problems
+from reconciliation.standin import StandInService
+
+README_EXAMPLE = {
+    "kind": "http",
+    "url": "https://pay.example/refunds?idempotency_key={idempotency_key}",
+    "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},
+    "connect_timeout": 2,
+    "read_timeout": 5,
+    "present": {
+        "status": 200,
+        "json_path": "status",
+        "equals": "succeeded",
+        "reference_path": "id",
+    },
+    "absent": {"status": 404},
+}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"kind": "none"},
+        README_EXAMPLE,
+        {
+            "kind": "http",
+            "url": "http://h/r/{invocation_id}/{business_reference}",
+            "absent": {"status": 404},
+        },
+    ],
+    ids=["empty", "none", "readme", "placeholders"],
+)
+def test_the_configurations_in_use_are_valid(config: dict[str, Any]) -> None:
+    assert problems(config) == []
+
+
+def test_the_stand_ins_probe_is_valid(standin: StandInService) -> None:
+    assert problems(standin.probe_config()) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        ([], "the configuration: [] is not of type 'object'"),
+        ({"kind": "htp"}, "kind: 'htp' is not one of ['none', 'http', 'python']"),
+        ({"kind": "none", "url": "http://h/"}, "Additional properties are not allowed ('url'"),
+        ({"kind": "http", "absent": {"status": 404}}, "'url' is a required property"),
+        (
+            {"kind": "http", "url": "ftp://h/{idempotency_key}", "absent": {"status": 404}},
+            "url: 'ftp://h/{idempotency_key}' does not match",
+        ),
+        (
+            {"kind": "http", "url": "https://h/?k={idempotency-key}", "absent": {"status": 404}},
+            "its placeholders can only be {idempotency_key}, {invocation_id}, {business_reference}",
+        ),
+        (
+            {"kind": "http", "url": "https://h/", "read_timout": 5, "absent": {"status": 404}},
+            "Additional properties are not allowed ('read_timout'",
+        ),
+        (
+            {"kind": "http", "url": "https://h/", "absent": {"status": "404"}},
+            "absent.status: '404' is not of type 'integer'",
+        ),
+        (
+            {"kind": "http", "url": "https://h/", "absent": {"status": 404, "equals": "gone"}},
+            "absent: 'json_path' is a dependency of 'equals'",
+        ),
+        (
+            {"kind": "http", "url": "https://h/", "read_timeout": 0, "absent": {"status": 404}},
+            "read_timeout: 0 is less than or equal to the minimum of 0",
+        ),
+        ({"kind": "http", "url": "https://h/"}, "needs a 'present' or an 'absent' rule"),
+        (
+            {"kind": "python", "callable": "os.system"},
+            "'os.system' is not listed in LEDGER_PYTHON_PROBES",
+        ),
+        ({"kind": "python"}, "'callable' is a required property"),
+    ],
+    ids=lambda value: "" if isinstance(value, str) else repr(value)[:40],
+)
+def test_a_malformed_configuration_names_its_problem(config: Any, problem: str) -> None:
+    found = problems(config)
+    assert any(problem in line for line in found), found
+
+
+def test_the_admin_refuses_a_malformed_probe_and_saves_nothing(admin_client: Client) -> None:
+    capability = Capability.objects.create(scope="refund.create", risk_level="high")
+    form = {
+        "idempotency_verified": "", "max_attempts": 5, "grace_ms": 60000, "redact_paths": "[]",
+        "probe": '{"kind": "http", "url": "https://pay.example/r?k={idempotency-key}"}',
+        "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
+    }  # fmt: skip
+    response = admin_client.post(f"/admin/ledger/capability/{capability.pk}/change/", form)
+    assert response.status_code == 200  # the form again, with the errors
+    page = response.content.decode()
+    assert "its placeholders can only be" in page
+    capability.refresh_from_db()
+    assert capability.probe == {}
+    fixed = {
+        "kind": "http",
+        "url": "https://pay.example/r?k={idempotency_key}",
+        "absent": {"status": 404},
+    }
+    form["probe"] = json.dumps(fixed)
+    response = admin_client.post(f"/admin/ledger/capability/{capability.pk}/change/", form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    capability.refresh_from_db()
+    assert capability.probe["absent"] == {"status": 404}
