@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from django.db import connection, transaction
-from django.db.models import Min, Q
+from django.db.models import Max, Min, Q
 from django.utils import timezone
 
 from ledger import chain
@@ -249,14 +249,28 @@ def export_bundle(
             }
             out.write(json.dumps(record) + "\n")
             count += 1
-    seals = Seal.objects.filter(pk__in=seal_ids).order_by("first_sequence")
+    # The covering seals and every seal between them: without those the seal chain
+    # would seem broken wherever other invocations' events were sealed in between.
+    # Those carry no leaves (their Merkle root is in their hashed body all the same).
+    covering = Seal.objects.filter(pk__in=seal_ids)
+    span = covering.aggregate(first=Min("last_sequence"), last=Max("last_sequence"))
+    seals = Seal.objects.none()
+    if seal_ids:  # through seal_last_sequence_unique
+        seals = Seal.objects.filter(
+            last_sequence__gte=span["first"], last_sequence__lte=span["last"]
+        ).order_by("last_sequence")
+    sealed = 0
     with open(folder / "seals.jsonl", "w") as out:
-        for seal in seals:
-            leaves = SealedEvent.objects.filter(seal=seal).order_by("sequence")
+        for seal in seals.iterator(chunk_size=2000):
+            sealed += 1
+            leaves = None
+            if seal.pk in seal_ids:
+                entries = SealedEvent.objects.filter(seal=seal).order_by("sequence")
+                leaves = list(entries.values_list("event__hash", flat=True))
             record = {
                 "body": chain.canonical(seal_body(seal)).decode(),
                 "hash": seal.hash,
-                "leaves": list(leaves.values_list("event__hash", flat=True)),
+                "leaves": leaves,
             }
             out.write(json.dumps(record) + "\n")
     files = {
@@ -273,4 +287,4 @@ def export_bundle(
         "files": files,
     }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return {"events": count, "seals": len(seals)}
+    return {"events": count, "seals": sealed}

@@ -8,7 +8,9 @@ A bundle (`manage.py export_bundle`) holds:
 - events.jsonl    per event: its hashed body (RFC 8785 canonical JSON, as a string),
                   its hash, and its place in the global order (sequence, seal);
 - seals.jsonl     per covering seal: its hashed body, its hash, and the hashes of
-                  every event it sealed, in order (no other event data).
+                  every event it sealed, in order (no other event data); and every
+                  seal between covering ones, with its body and hash only (leaves
+                  null), so that the seal chain is whole.
 
 It checks the manifest, every event hash and chain link (per invocation, from its
 first event), every seal's hash, chain and Merkle root, and that each event sits in
@@ -83,6 +85,9 @@ def verify(folder: Path) -> list[str]:
             problems.append(f"{where}: its hash does not match its body")
         if prev_seal is not None and body["prev_hash"] != prev_seal:
             problems.append(f"{where}: does not chain to the seal before it")
+        prev_seal = seal["hash"]
+        if seal["leaves"] is None:
+            continue  # a seal between covering ones: in the chain, sealing none of these events
         if (
             merkle_root(seal["leaves"]) != body["merkle_root"]
             or len(seal["leaves"]) != body["event_count"]
@@ -91,8 +96,7 @@ def verify(folder: Path) -> list[str]:
         for offset, leaf in enumerate(seal["leaves"]):
             if leaf in placed and placed[leaf] != (body["first_sequence"] + offset, seal["hash"]):
                 problems.append(f"{where}: event {leaf[:12]} is not where the bundle puts it")
-        prev_seal = seal["hash"]
-    sealed = {leaf for seal in _lines(folder / "seals.jsonl") for leaf in seal["leaves"]}
+    sealed = {leaf for seal in _lines(folder / "seals.jsonl") for leaf in seal["leaves"] or ()}
     for leaf, (sequence, _) in placed.items():
         if leaf not in sealed:
             problems.append(f"event {leaf[:12]} (sequence {sequence}) is in no bundled seal")

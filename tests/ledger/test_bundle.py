@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -58,8 +59,6 @@ def test_one_changed_byte_fails_it(bundle: Path) -> None:
 
 def test_a_consistent_forgery_still_breaks_the_chain(bundle: Path) -> None:
     """Change an event and rewrite the manifest to match: the hashes give it away."""
-    import hashlib
-
     events = bundle / "events.jsonl"
     events.write_text(events.read_text().replace("RF-1", "RF-9"))
     manifest = json.loads((bundle / "manifest.json").read_text())
@@ -76,3 +75,32 @@ def test_one_invocations_bundle_carries_its_whole_chain(bundle: Path, tmp_path: 
     result = verify(folder)
     assert result.returncode == 0, result.stdout
     assert result.stdout.strip() == "OK: 3 events and 1 seals verified"
+
+
+def test_a_chain_sealed_in_seals_apart_verifies(bundle: Path, api: Api, tmp_path: Path) -> None:
+    """inv-1's last event is sealed two seals after its first ones, with inv-3's seal
+    between: the bundle must carry that seal too, or the seal chain looks broken."""
+    assert seal_events() is not None  # inv-3's intent
+    status, _ = api.outcome("inv-1", "a1", kind="business_failed")  # kept as evidence
+    assert status == 409
+    assert seal_events() is not None  # inv-1's outcome_conflict event
+    folder = tmp_path / "apart"
+    call_command("export_bundle", str(folder), invocation="inv-1")
+    result = verify(folder)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.strip() == "OK: 4 events and 3 seals verified"
+    between = json.loads((folder / "seals.jsonl").read_text().splitlines()[1])
+    assert between["leaves"] is None  # inv-3's seal: its hash and body, not its events
+
+    # Forge the seal between, manifest and all: its hash gives it away.
+    seals = folder / "seals.jsonl"
+    lines = seals.read_text().splitlines()
+    lines[1] = lines[1].replace('\\"event_count\\":1', '\\"event_count\\":2')
+    assert lines[1] != json.dumps(between)
+    seals.write_text("\n".join(lines) + "\n")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["seals.jsonl"] = hashlib.sha256(seals.read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    forged = verify(folder)
+    assert forged.returncode == 1
+    assert "its hash does not match its body" in forged.stdout
