@@ -185,10 +185,14 @@ def action_log(request: HttpRequest) -> HttpResponse:
 @require_GET
 @role_required(*READERS)
 def audit_verify(request: HttpRequest) -> HttpResponse:
-    """Recompute chains, seals and projections for a time range, in the browser."""
+    """Recompute chains, seals and projections for a time range, in the browser.
+
+    A range that does not parse is shown as an error and nothing is verified: the
+    reviewer must never take the whole ledger's answer for the range they typed.
+    """
     form = AuditFilterForm(request.GET or None)
-    data = form.cleaned_data if form.is_valid() else {}
     report = None
-    if "run" in request.GET:
+    if "run" in request.GET and form.is_valid():
+        data = form.cleaned_data
         report = verify(since=data.get("since"), until=data.get("until"), projections=True)
     return render(request, "ledger/verify.html", {"form": form, "report": report})

@@ -191,6 +191,9 @@ def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
     client.force_login(reviewer)
     clean = client.get("/audit/verify/", {"run": "1"}).content.decode()
     assert "OK: 4 invocations, 10 events, 1 seals and 4 projections verified." in clean
+    mistyped = client.get("/audit/verify/", {"run": "1", "since": "yesterday"}).content.decode()
+    assert "since: Enter a valid date/time." in mistyped
+    assert "verified." not in mistyped  # not the whole ledger instead of the range
     superuser_sql(
         "UPDATE ledger_event SET actor = 'runtime:forged' WHERE id = %s", event_id("inv-2", 2)
     )
