@@ -9,7 +9,11 @@ from django.conf import settings
 from django.db import DatabaseError
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import serializers
-from rest_framework.authentication import BasicAuthentication, SessionAuthentication
+from rest_framework.authentication import (
+    BaseAuthentication,
+    BasicAuthentication,
+    SessionAuthentication,
+)
 from rest_framework.exceptions import AuthenticationFailed, NotFound, ValidationError
 from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.permissions import IsAdminUser
@@ -21,7 +25,7 @@ from rest_framework.views import APIView
 from ledger import acc, policy, services, store
 from ledger.api import inputs
 from ledger.api import serializers as s
-from ledger.api.authentication import UNKNOWN_OR_REVOKED, RememberedTokenAuthentication
+from ledger.api.authentication import UNKNOWN_OR_REVOKED, RuntimeTokenAuthentication
 from ledger.api.errors import error_body, exception_handler
 from ledger.capabilities import Registered, capability_register
 from ledger.models import Invocation, Runtime, RuntimeToken
@@ -90,15 +94,17 @@ class StatementConfirmedView(RuntimeAPIView):
     """A runtime API view whose every statement confirms the token it was given.
 
     Its requests authenticate with a token this process remembers without reading it
-    (RememberedTokenAuthentication); each of its statements is passed
+    (RuntimeTokenAuthentication with `remember`); each of its statements is passed
     `runtime.unconfirmed_token_id`, checks in the database that the token is still
     unrevoked, and clears it. A request that ends with the token unconfirmed (before
     any statement: a 400, a 404 of a malformed id, a 429) has it read before answering.
     """
 
-    authentication_classes = [RememberedTokenAuthentication]
     runtime: Runtime | None = None
     token: RuntimeToken | None = None
+
+    def get_authenticators(self) -> list[BaseAuthentication]:
+        return [RuntimeTokenAuthentication(remember=True)]
 
     def perform_authentication(self, request: Request) -> None:
         if isinstance(request.user, Runtime) and isinstance(request.auth, RuntimeToken):
@@ -127,7 +133,7 @@ class StatementConfirmedView(RuntimeAPIView):
     def revoked(self) -> AuthenticationFailed:
         assert self.runtime is not None and self.token is not None
         self.runtime.unconfirmed_token_id = None
-        RememberedTokenAuthentication.forget(self.token.prefix)
+        RuntimeTokenAuthentication.forget(self.token.prefix)
         return AuthenticationFailed(UNKNOWN_OR_REVOKED)
 
 

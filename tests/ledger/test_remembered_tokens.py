@@ -18,7 +18,7 @@ import pytest
 from django.core.management import call_command
 
 from ledger import store
-from ledger.api.authentication import RememberedTokenAuthentication
+from ledger.api.authentication import RuntimeTokenAuthentication
 from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runtime, RuntimeToken
 from tests.conftest import ROOT, Api, intent_body, process_env
 
@@ -26,9 +26,9 @@ from tests.conftest import ROOT, Api, intent_body, process_env
 @pytest.fixture
 def remembered(api: Api, refund: Capability) -> Api:
     """A runtime whose token this process has read, with inv-1's attempt a1 in flight."""
-    RememberedTokenAuthentication.remembered.clear()
+    RuntimeTokenAuthentication.remembered.clear()
     assert api.intent(invocation_id="inv-1", attempt_id="a1")[0] == 201
-    assert RuntimeToken.split(api.token) in RememberedTokenAuthentication.remembered
+    assert RuntimeToken.split(api.token) in RuntimeTokenAuthentication.remembered
     return api
 
 
@@ -77,7 +77,7 @@ def test_a_revoked_remembered_token_is_refused_and_writes_nothing(
     assert (status, body["error"]["type"]) == (401, "unauthenticated")
     assert recorded() == before
     # Forgotten: the next request reads the token, and is refused before any work.
-    assert RuntimeToken.split(remembered.token) not in RememberedTokenAuthentication.remembered
+    assert RuntimeToken.split(remembered.token) not in RuntimeTokenAuthentication.remembered
 
 
 def test_a_remembered_token_with_a_wrong_secret_is_refused(remembered: Api) -> None:
