@@ -38,6 +38,14 @@ def verify(folder: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def forge(folder: Path, name: str, text: str) -> None:
+    """Rewrite one of the bundle's files, and its manifest to match, as a forger would."""
+    (folder / name).write_text(text)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_an_exported_bundle_verifies_offline(bundle: Path) -> None:
     result = verify(bundle)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -59,11 +67,8 @@ def test_one_changed_byte_fails_it(bundle: Path) -> None:
 
 def test_a_consistent_forgery_still_breaks_the_chain(bundle: Path) -> None:
     """Change an event and rewrite the manifest to match: the hashes give it away."""
-    events = bundle / "events.jsonl"
-    events.write_text(events.read_text().replace("RF-1", "RF-9"))
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["files"]["events.jsonl"] = hashlib.sha256(events.read_bytes()).hexdigest()
-    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    events = (bundle / "events.jsonl").read_text()
+    forge(bundle, "events.jsonl", events.replace("RF-1", "RF-9"))
     result = verify(bundle)
     assert result.returncode == 1
     assert "invocation inv-1 event #3: hash" in result.stdout
@@ -93,14 +98,10 @@ def test_a_chain_sealed_in_seals_apart_verifies(bundle: Path, api: Api, tmp_path
     assert between["leaves"] is None  # inv-3's seal: its hash and body, not its events
 
     # Forge the seal between, manifest and all: its hash gives it away.
-    seals = folder / "seals.jsonl"
-    lines = seals.read_text().splitlines()
+    lines = (folder / "seals.jsonl").read_text().splitlines()
     lines[1] = lines[1].replace('\\"event_count\\":1', '\\"event_count\\":2')
     assert lines[1] != json.dumps(between)
-    seals.write_text("\n".join(lines) + "\n")
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["files"]["seals.jsonl"] = hashlib.sha256(seals.read_bytes()).hexdigest()
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    forge(folder, "seals.jsonl", "\n".join(lines) + "\n")
     forged = verify(folder)
     assert forged.returncode == 1
     assert "its hash does not match its body" in forged.stdout
