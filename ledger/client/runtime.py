@@ -65,6 +65,7 @@ class LedgerRequestError(Exception):
         error = body.get("error", {}) if isinstance(body, Mapping) else {}
         super().__init__(f"{status} {error.get('type')}: {error.get('message')}")
         self.status, self.type, self.body = status, error.get("type"), body
+        self.details: dict[str, Any] = error.get("details") or {}
 
 
 @dataclass(frozen=True)
@@ -225,9 +226,7 @@ class LedgerClient:
         if invocation_id in self._unconfirmed:
             return self._write_ahead(self._unconfirmed[invocation_id], call, reference)
         try:
-            status, current = self._request("GET", f"/api/v1/invocations/{invocation_id}")
-            if status != 200:
-                raise LedgerRequestError(status, current)
+            current = self.state(invocation_id)
             attempt_id = f"a{len(current['attempts']) + 1}"
             status, body = self._request(
                 "POST", f"/api/v1/invocations/{invocation_id}/attempts", {"attempt_id": attempt_id}
@@ -241,6 +240,13 @@ class LedgerClient:
             return refused
         context = CallContext(invocation_id, attempt_id, current["idempotency_key"])
         return self._dispatch(context, current["task_id"], call, reference)
+
+    def state(self, invocation_id: str) -> dict[str, Any]:
+        """The ledger's record of an invocation: its typed state, attempts and events."""
+        status, body = self._request("GET", f"/api/v1/invocations/{invocation_id}")
+        if status != 200:
+            raise LedgerRequestError(status, body)
+        return dict(body)
 
     def _write_ahead(
         self,

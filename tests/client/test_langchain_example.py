@@ -32,7 +32,7 @@ def test_the_tool_refunds_once_and_tells_the_model_not_to_repeat(
     first = tool.invoke({"order": "SO-1", "amount": 12.5})
     assert first.startswith("Refunded SO-1: RF-")
     again = tool.invoke({"order": "SO-1", "amount": 12.5})
-    assert again == "A refund for SO-1 was already requested; do not request it again."
+    assert again == "A refund for SO-1 was already requested (succeeded); do not request it again."
     refused = tool.invoke({"order": "SO-2", "amount": 50_000})
     assert refused == "The payments system refused the refund for SO-2: refund_limit_exceeded."
     assert standin.refunds.count() == 1
@@ -53,3 +53,27 @@ def test_an_unknown_outcome_tells_the_model_not_to_retry(
     answer = tool.invoke({"order": "SO-3", "amount": 1})
     assert "Do not retry it" in answer
     assert Invocation.objects.get().status == "reconciliation_required"
+
+
+def test_a_request_after_a_retryable_refusal_retries_under_the_same_key(
+    live_server: Any, token: str, standin: StandInService
+) -> None:
+    """The model asks again for an order the payments system was too busy for: the
+    ledger's earlier invocation is retried (attempt a2, same key), not a new one."""
+    calls: list[str] = []
+
+    def busy_once(order: str, amount: float, key: str) -> dict[str, Any]:
+        calls.append(key)
+        if len(calls) == 1:
+            raise BusinessFailure("busy", "try again", retryable=True)
+        return payments(standin)(order, amount, key)
+
+    tool = refund_tool(LedgerClient(live_server.url, token), busy_once, task_id="chat-3")
+    first = tool.invoke({"order": "SO-4", "amount": 5})
+    assert first == "The payments system refused the refund for SO-4: try again."
+    second = tool.invoke({"order": "SO-4", "amount": 5})
+    assert second.startswith("Refunded SO-4: RF-")
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.attempt_count) == ("succeeded", 2)
+    assert standin.refunds.count() == 1
+    assert calls == ["refund-SO-4", "refund-SO-4"]

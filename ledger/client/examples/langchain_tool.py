@@ -13,7 +13,13 @@ from typing import Any
 
 from langchain_core.tools import BaseTool, tool
 
-from ledger.client import BusinessFailure, LedgerClient, LedgerRequestError
+from ledger.client import (
+    BusinessFailure,
+    CallContext,
+    InvocationResult,
+    LedgerClient,
+    LedgerRequestError,
+)
 
 # The business call: (order, amount, idempotency_key) -> {"id": ...}; raises
 # BusinessFailure when the payments system refuses.
@@ -24,31 +30,49 @@ def refund_tool(ledger: LedgerClient, refund: Refund, *, task_id: str) -> BaseTo
     @tool
     def create_refund(order: str, amount: float) -> str:
         """Refund an order. Returns the refund id, or why there is none."""
+
+        def call(ctx: CallContext) -> dict[str, Any]:
+            return refund(order, amount, ctx.idempotency_key)
+
         try:
             result = ledger.invoke(
                 task_id=task_id,
                 capability="refund.create",
                 arguments={"order": order, "amount": amount},
                 idempotency_key=f"refund-{order}",
-                call=lambda ctx: refund(order, amount, ctx.idempotency_key),
+                call=call,
                 reference=lambda value: value["id"],
             )
         except LedgerRequestError as error:
-            if error.type == "idempotency_key_in_use":
-                return f"A refund for {order} was already requested; do not request it again."
-            raise
-        if result.kind == "succeeded":
-            return f"Refunded {order}: {result.business_reference}."
-        if result.reconciliation_required:
-            return (
-                f"The refund for {order} may or may not have happened; the ledger is "
-                "finding out. Do not retry it; tell the user it is being checked."
-            )
-        if result.kind == "business_failed":
-            return f"The payments system refused the refund for {order}: {result.error}."
-        return f"The refund for {order} was not sent ({result.kind}); it is safe to try again."
+            # This order's key is bound to an earlier invocation of this runtime: its
+            # state, not a second refund, answers the model.
+            earlier = error.details.get("invocation_id")
+            if error.type != "idempotency_key_in_use" or not earlier:
+                raise
+            status = ledger.state(earlier)["status"]
+            if status != "retry_allowed":
+                return (
+                    f"A refund for {order} was already requested ({status}); "
+                    "do not request it again."
+                )
+            result = ledger.retry(earlier, call, reference=lambda value: value["id"])
+        return answer(order, result)
 
     return create_refund
+
+
+def answer(order: str, result: InvocationResult) -> str:
+    """What the model is told, from the ledger's typed result."""
+    if result.kind == "succeeded":
+        return f"Refunded {order}: {result.business_reference}."
+    if result.reconciliation_required or result.kind == "attempt_in_flight":
+        return (
+            f"The refund for {order} may or may not have happened; the ledger is "
+            "finding out. Do not retry it; tell the user it is being checked."
+        )
+    if result.kind == "business_failed":
+        return f"The payments system refused the refund for {order}: {result.error}."
+    return f"The refund for {order} was not sent ({result.kind}); it is safe to try again."
 
 
 __all__ = ["BusinessFailure", "refund_tool"]
