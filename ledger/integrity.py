@@ -97,6 +97,9 @@ class Report:
     seals: int = 0
     projections: int = 0
     breaks: list[Break] = field(default_factory=list)
+    # The newest seal verified: its hash, compared with the one the sealer logged
+    # (ledger.tasks), shows whether the database's seal chain is the one it made.
+    newest_seal: Seal | None = None
 
     @property
     def ok(self) -> bool:
@@ -206,6 +209,7 @@ def verify(
         if computed != seal.hash:
             report.breaks.append(Break("seal", where, f"hash {computed}", f"hash {seal.hash}"))
         prev_hash = seal.hash
+        report.newest_seal = seal
     return report
 
 

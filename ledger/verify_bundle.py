@@ -15,10 +15,18 @@ A bundle (`manage.py export_bundle`) holds:
 It checks the manifest, every event hash and chain link (per invocation, from its
 first event), every seal's hash, chain and Merkle root, and that each event sits in
 its seal where the bundle says. Prints OK or each failure; exit status 1 on failure.
+
+All of that a forger could recompute. What ties a bundle to the ledger is a seal hash
+kept outside it: the ledger logs each seal's hash as it makes it (`sealed ...
+hash=...`). `--seal HASH` (repeatable) requires that seal in the bundle's chain, and
+the events sealed by it or by the seals it chains to are then anchored:
+
+    python -m ledger.verify_bundle BUNDLE_DIR --seal 3f1c...
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
@@ -50,7 +58,8 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def verify(folder: Path) -> list[str]:
+def verify(folder: Path, trusted: Iterable[str] = ()) -> tuple[list[str], int]:
+    """Each problem found, and how many events the trusted seals anchor."""
     problems: list[str] = []
     manifest = json.loads((folder / "manifest.json").read_text())
     for name, expected in manifest["files"].items():
@@ -58,7 +67,7 @@ def verify(folder: Path) -> list[str]:
         if found != expected:
             problems.append(f"{name}: sha256 {found}, manifest says {expected}")
     if problems:
-        return problems  # nothing else in an altered file can be trusted
+        return problems, 0  # nothing else in an altered file can be trusted
 
     heads: dict[str, tuple[int, str]] = {}
     placed: dict[str, tuple[int, str]] = {}
@@ -78,7 +87,9 @@ def verify(folder: Path) -> list[str]:
             placed[record["hash"]] = (record["sequence"], record["seal"])
 
     prev_seal = None
+    chain: list[str] = []  # the bundle's seal hashes, oldest first
     for seal in _lines(folder / "seals.jsonl"):
+        chain.append(seal["hash"])
         body = json.loads(seal["body"])
         where = f"seal {seal['hash'][:12]} ({body['first_sequence']}-{body['last_sequence']})"
         if sha256(body["prev_hash"].encode() + seal["body"].encode()) != seal["hash"]:
@@ -100,22 +111,40 @@ def verify(folder: Path) -> list[str]:
     for leaf, (sequence, _) in placed.items():
         if leaf not in sealed:
             problems.append(f"event {leaf[:12]} (sequence {sequence}) is in no bundled seal")
-    return problems
+    anchored_seals: set[str] = set()
+    for hash_ in trusted:
+        if hash_ not in chain:
+            problems.append(f"seal {hash_[:12]} is not in this bundle's seal chain")
+            continue
+        # A seal commits to every seal before it (prev_hash) and to its own events.
+        anchored_seals.update(chain[: chain.index(hash_) + 1])
+    anchored = sum(1 for _, seal_hash in placed.values() if seal_hash in anchored_seals)
+    return problems, anchored
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    if len(args) != 1:
-        print("usage: python -m ledger.verify_bundle BUNDLE_DIR", file=sys.stderr)
-        return 2
-    problems = verify(Path(args[0]))
+    parser = argparse.ArgumentParser(prog="python -m ledger.verify_bundle")
+    parser.add_argument("bundle", type=Path)
+    parser.add_argument(
+        "--seal",
+        action="append",
+        default=[],
+        metavar="HASH",
+        help="a seal hash from the ledger's log; the bundle's events it seals are anchored",
+    )
+    args = parser.parse_args(argv)
+    problems, anchored = verify(args.bundle, args.seal)
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
         return 1
-    events = len(_lines(Path(args[0]) / "events.jsonl"))
-    seals = len(_lines(Path(args[0]) / "seals.jsonl"))
+    events = len(_lines(args.bundle / "events.jsonl"))
+    seals = len(_lines(args.bundle / "seals.jsonl"))
     print(f"OK: {events} events and {seals} seals verified")
+    if args.seal:
+        print(f"anchored: {anchored} of {events} events are sealed by the given seal(s)")
+    else:
+        print("not anchored: pass --seal HASH, a seal hash from the ledger's log")
     return 0
 
 

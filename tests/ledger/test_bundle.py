@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,8 @@ from django.core.management import call_command
 
 from ledger.integrity import seal_events
 from ledger.models import Capability
+from ledger.tasks import seal_new_events
+from ledger.verify_bundle import merkle_root, sha256
 from tests.conftest import Api
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,10 +34,11 @@ def bundle(api: Api, refund: Capability, tmp_path: Path) -> Path:
     return folder
 
 
-def verify(folder: Path) -> subprocess.CompletedProcess[str]:
+def verify(folder: Path, *seals: str) -> subprocess.CompletedProcess[str]:
     """The standalone command, in a Python with nothing but the standard library."""
+    anchors = [arg for seal in seals for arg in ("--seal", seal)]
     return subprocess.run(
-        [sys.executable, "-S", "-m", "ledger.verify_bundle", str(folder)],
+        [sys.executable, "-S", "-m", "ledger.verify_bundle", str(folder), *anchors],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
 
@@ -49,7 +54,7 @@ def forge(folder: Path, name: str, text: str) -> None:
 def test_an_exported_bundle_verifies_offline(bundle: Path) -> None:
     result = verify(bundle)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.strip() == "OK: 7 events and 1 seals verified"
+    assert result.stdout.splitlines()[0] == "OK: 7 events and 1 seals verified"
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert set(manifest["files"]) == {"events.jsonl", "seals.jsonl"}
 
@@ -79,7 +84,7 @@ def test_one_invocations_bundle_carries_its_whole_chain(bundle: Path, tmp_path: 
     call_command("export_bundle", str(folder), invocation="inv-2")
     result = verify(folder)
     assert result.returncode == 0, result.stdout
-    assert result.stdout.strip() == "OK: 3 events and 1 seals verified"
+    assert result.stdout.splitlines()[0] == "OK: 3 events and 1 seals verified"
 
 
 def test_a_chain_sealed_in_seals_apart_verifies(bundle: Path, api: Api, tmp_path: Path) -> None:
@@ -93,7 +98,7 @@ def test_a_chain_sealed_in_seals_apart_verifies(bundle: Path, api: Api, tmp_path
     call_command("export_bundle", str(folder), invocation="inv-1")
     result = verify(folder)
     assert result.returncode == 0, result.stdout
-    assert result.stdout.strip() == "OK: 4 events and 3 seals verified"
+    assert result.stdout.splitlines()[0] == "OK: 4 events and 3 seals verified"
     between = json.loads((folder / "seals.jsonl").read_text().splitlines()[1])
     assert between["leaves"] is None  # inv-3's seal: its hash and body, not its events
 
@@ -105,3 +110,58 @@ def test_a_chain_sealed_in_seals_apart_verifies(bundle: Path, api: Api, tmp_path
     forged = verify(folder)
     assert forged.returncode == 1
     assert "its hash does not match its body" in forged.stdout
+
+
+def test_a_logged_seal_anchors_the_bundle_against_a_whole_forgery(
+    api: Api, refund: Capability, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forger who recomputes every hash, root, seal and the manifest gets a bundle
+    that checks on its own; the seal hash the ledger logged gives it away."""
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    with caplog.at_level(logging.INFO, logger="ledger.tasks"):
+        assert seal_new_events.run() == 3
+    logged = re.search(
+        r"sealed first_sequence=1 last_sequence=3 .* hash=([0-9a-f]{64})", caplog.text
+    )
+    assert logged is not None
+    folder = tmp_path / "bundle"
+    call_command("export_bundle", str(folder))
+    assert verify(folder).stdout.splitlines()[1].startswith("not anchored")
+    anchored = verify(folder, logged.group(1))
+    assert anchored.returncode == 0, anchored.stdout
+    assert (
+        anchored.stdout.splitlines()[1] == "anchored: 3 of 3 events are sealed by the given seal(s)"
+    )
+
+    forge_everything(folder)
+    assert verify(folder).returncode == 0  # consistent on its own
+    caught = verify(folder, logged.group(1))
+    assert caught.returncode == 1
+    assert f"seal {logged.group(1)[:12]} is not in this bundle's seal chain" in caught.stdout
+
+
+def forge_everything(folder: Path) -> None:
+    """inv-1's refund reference rewritten, with every hash that commits to it."""
+    events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()]
+    (seal,) = [json.loads(line) for line in (folder / "seals.jsonl").read_text().splitlines()]
+    forged = next(e for e in events if "RF-1" in e["body"] and '"seq":3' in e["body"])
+    body = json.loads(forged["body"])
+    forged["body"] = forged["body"].replace("RF-1", "RF-9")
+    old_hash, forged["hash"] = (
+        forged["hash"],
+        sha256(body["prev_hash"].encode() + forged["body"].encode()),
+    )
+    seal["leaves"] = [forged["hash"] if leaf == old_hash else leaf for leaf in seal["leaves"]]
+    seal_body = json.loads(seal["body"])
+    seal_body["merkle_root"] = merkle_root(seal["leaves"])
+    seal["body"] = json.dumps(seal_body, separators=(",", ":"), sort_keys=True)
+    old_seal, seal["hash"] = (
+        seal["hash"],
+        sha256(seal_body["prev_hash"].encode() + seal["body"].encode()),
+    )
+    for event in events:
+        if event["seal"] == old_seal:
+            event["seal"] = seal["hash"]
+    forge(folder, "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
+    forge(folder, "seals.jsonl", json.dumps(seal) + "\n")

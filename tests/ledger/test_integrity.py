@@ -54,7 +54,10 @@ def test_an_untouched_ledger_verifies_clean(ledger: Api) -> None:
     report = verify(projections=True)
     assert report.ok, report.breaks
     assert (report.invocations, report.events, report.seals) == (4, 10, 1)
-    assert verify_command("--projections").startswith("OK: 4 invocations, 10 events, 1 seals")
+    output = verify_command("--projections")
+    assert output.startswith("OK: 4 invocations, 10 events, 1 seals")
+    seal = Seal.objects.get()
+    assert f"newest seal: {seal.hash} (sequence 1-9)" in output
 
 
 def test_an_altered_payload_is_found(ledger: Api) -> None:
@@ -191,6 +194,7 @@ def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
     client.force_login(reviewer)
     clean = client.get("/audit/verify/", {"run": "1"}).content.decode()
     assert "OK: 4 invocations, 10 events, 1 seals and 4 projections verified." in clean
+    assert f"Newest seal verified: <code>{Seal.objects.get().hash}</code>" in clean
     mistyped = client.get("/audit/verify/", {"run": "1", "since": "yesterday"}).content.decode()
     assert "since: Enter a valid date/time." in mistyped
     assert "verified." not in mistyped  # not the whole ledger instead of the range

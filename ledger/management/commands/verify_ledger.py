@@ -36,3 +36,9 @@ class Command(BaseCommand):
         if not report.ok:
             raise CommandError(f"{len(report.breaks)} broken link(s) in {summary}")
         self.stdout.write(f"OK: {summary} verified")
+        if report.newest_seal is not None:
+            seal = report.newest_seal
+            self.stdout.write(
+                f"newest seal: {seal.hash} (sequence {seal.first_sequence}-{seal.last_sequence}); "
+                "compare it with the sealer's log"
+            )
