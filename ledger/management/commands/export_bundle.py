@@ -27,5 +27,6 @@ class Command(BaseCommand):
         )
         self.stdout.write(
             f"bundle in {folder}: {written['events']} events, {written['seals']} seals; "
-            f"verify with: python -m ledger.verify_bundle {folder}"
+            f"verify with: python -m ledger.verify_bundle {folder} --seal HASH "
+            "(HASH: a seal hash from the sealer's log)"
         )
