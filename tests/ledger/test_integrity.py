@@ -11,6 +11,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import IntegrityError, connection, transaction
 from django.db.utils import ProgrammingError
+from django.test import override_settings
 from django.utils import timezone
 
 from ledger import chain, services
@@ -195,6 +196,12 @@ def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
     clean = client.get("/audit/verify/", {"run": "1"}).content.decode()
     assert "OK: 4 invocations, 10 events, 1 seals and 4 projections verified." in clean
     assert f"Newest seal verified: <code>{Seal.objects.get().hash}</code>" in clean
+    with override_settings(LEDGER_VERIFY_PAGE_MAX_EVENTS=9):
+        too_many = client.get("/audit/verify/", {"run": "1"}).content.decode()
+        assert "More than 9 events in this range" in too_many and "verified." not in too_many
+        since = Event.objects.get(invocation__invocation_id="inv-4").created_at
+        narrowed = client.get("/audit/verify/", {"run": "1", "since": since.isoformat()})
+        assert "OK: 1 invocations, 1 events, 0 seals" in narrowed.content.decode()
     mistyped = client.get("/audit/verify/", {"run": "1", "since": "yesterday"}).content.decode()
     assert "since: Enter a valid date/time." in mistyped
     assert "verified." not in mistyped  # not the whole ledger instead of the range
