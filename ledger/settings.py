@@ -84,6 +84,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django.middleware.csp.ContentSecurityPolicyMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "ledger.middleware.DatabaseUnavailableMiddleware",
 ]
 
 # The console loads nothing from elsewhere and runs no inline script without a nonce.

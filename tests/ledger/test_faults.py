@@ -9,10 +9,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.contrib.auth.models import Group, User
 from django.db import connection
 from django.db.utils import InternalError, ProgrammingError
+from django.test import Client
 
 from ledger.models import Attempt, Capability, Event, Invocation
+from reconciliation import views
 from tests.conftest import Api
 
 
@@ -92,3 +95,37 @@ def test_a_database_session_killed_mid_write_leaves_nothing_half_written(
     # The runtime resends the same request, as the error tells it to.
     status, body = api.intent(attempt_id="a1")
     assert (status, body["status"]) == (201, "in_flight")
+
+
+def operator_client(**options: Any) -> Client:
+    operator = User.objects.create_user("olga")
+    operator.groups.add(Group.objects.get_or_create(name="operator")[0])
+    client = Client(**options)
+    client.force_login(operator)
+    return client
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_console_says_the_database_is_unreachable_and_nothing_changed(
+    refund: Capability, request: pytest.FixtureRequest
+) -> None:
+    client = operator_client()
+    request.getfixturevalue("unreachable_database")
+    for path in ("/", "/dashboard/", "/audit/"):
+        response = client.get(path)
+        assert response.status_code == 503, path
+        assert "cannot be reached" in response.content.decode()
+        assert "Nothing was changed" in response.content.decode()
+        assert response["Retry-After"] == "30"
+
+
+def test_a_console_bug_shows_the_ledgers_error_page(
+    refund: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(views, "queue_rows", broken)
+    response = operator_client(raise_request_exception=False).get("/")
+    assert response.status_code == 500
+    assert "Something went wrong on the ledger's side" in response.content.decode()
