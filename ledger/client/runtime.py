@@ -101,6 +101,10 @@ def not_dispatched(invocation_id: str, task_id: str, why: str) -> InvocationResu
     )  # fmt: skip
 
 
+# The ledger refused the caller rather than the request (a revoked token, or another
+# runtime's): an outcome is kept for a flush with the right token, never dropped.
+CALLER_REFUSED = (401, 403, 404)
+
 MAX_RETRY_AFTER = 10.0  # seconds: longer and the caller had better decide itself
 
 
@@ -340,16 +344,13 @@ class LedgerClient:
         try:
             status, body = self._request("POST", path, outcome)
         except LedgerUnreachable as exc:
-            if self.spool:
-                self.spool.append(Record(path, outcome))
-            return InvocationResult(
-                "post_dispatch_evidence_failed", context.invocation_id, context.attempt_id,
-                task_id, None, retryable=False, reconciliation_required=True,
-                next_action="reconcile", value=value,
-                business_reference=outcome.get("business_reference", ""),
-                error=f"outcome not recorded ({exc}); "
-                + ("kept in the spool" if self.spool else "no spool configured"),
-            )  # fmt: skip
+            return self._keep(context, task_id, path, outcome, value, f"not recorded ({exc})")
+        if status in CALLER_REFUSED:
+            # A token revoked or rotated while the tool ran: a flush with the new one
+            # delivers the outcome.
+            error = body.get("error", {})
+            why = f"refused for this client ({status} {error.get('type')})"
+            return self._keep(context, task_id, path, outcome, value, why)
         if status not in (200, 201):
             raise LedgerRequestError(status, body)
         return InvocationResult(
@@ -359,6 +360,29 @@ class LedgerClient:
             next_action=body["next_action"], value=value,
             business_reference=outcome.get("business_reference", ""), error=error,
             flags=body["flags"],
+        )  # fmt: skip
+
+    def _keep(
+        self,
+        context: CallContext,
+        task_id: str,
+        path: str,
+        outcome: dict[str, Any],
+        value: Any,
+        why: str,
+    ) -> InvocationResult:
+        """An outcome the ledger did not record: spooled, and the caller told that the
+        effect's evidence is missing, which only reconciliation may settle."""
+        kept = "no spool configured"
+        if self.spool:
+            self.spool.append(Record(path, outcome))
+            kept = "kept in the spool"
+        return InvocationResult(
+            "post_dispatch_evidence_failed", context.invocation_id, context.attempt_id,
+            task_id, None, retryable=False, reconciliation_required=True,
+            next_action="reconcile", value=value,
+            business_reference=outcome.get("business_reference", ""),
+            error=f"outcome {why}; {kept}",
         )  # fmt: skip
 
     # The spool ---------------------------------------------------------------

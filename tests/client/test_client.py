@@ -483,3 +483,25 @@ def test_a_record_the_ledger_can_never_take_is_set_aside_with_its_answer(
         json.loads(line) for line in (tmp_path / "spool.jsonl.refused").read_text().splitlines()
     ]
     assert [(r["record"]["body"], r["status"]) for r in aside] == [({"kind": "won"}, 400)]
+
+
+def test_an_outcome_refused_for_a_token_revoked_mid_call_is_spooled_for_the_new_one(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """The token is rotated while the refund is being made: the outcome is not lost
+    with an exception, it waits in the spool for a flush with the new token."""
+    spool = str(tmp_path / "spool.jsonl")
+    old = RuntimeToken.objects.get()
+    new: list[str] = []
+
+    def refund_during_rotation(context: CallContext) -> dict[str, str]:
+        assert old.revoke(actor="admin:rotation")
+        new.append(RuntimeToken.issue(runtime=old.runtime)[1])
+        return {"id": "RF-rotated"}
+
+    result = invoke(LedgerClient(live_server.url, token, spool=spool), Tool(refund_during_rotation))
+    assert (result.kind, result.reconciliation_required) == ("post_dispatch_evidence_failed", True)
+    assert "refused for this client (401 unauthenticated); kept in the spool" in result.error
+    report = LedgerClient(live_server.url, new[0], spool=spool).flush()
+    assert (report.delivered, report.remaining) == (1, 0)
+    assert Outcome.objects.get().business_reference == "RF-rotated"
