@@ -150,6 +150,16 @@ def _projection_breaks(invocation: Invocation, last: Event) -> Iterator[Break]:
             )
 
 
+def time_window(since: dt.datetime | None, until: dt.datetime | None) -> Q:
+    """Rows created in [since, until); either end may be open."""
+    window = Q()
+    if since:
+        window &= Q(created_at__gte=since)
+    if until:
+        window &= Q(created_at__lt=until)
+    return window
+
+
 def verify(
     *,
     since: dt.datetime | None = None,
@@ -159,11 +169,7 @@ def verify(
     """Recompute every chain with events in the range, every seal in it, and
     (optionally) every projection; collect each break, first per invocation."""
     report = Report()
-    window = Q()
-    if since:
-        window &= Q(created_at__gte=since)
-    if until:
-        window &= Q(created_at__lt=until)
+    window = time_window(since, until)
     touched = Event.objects.filter(window).values("invocation_id").distinct()
     # Every event of every touched chain in one streamed query, grouped per
     # invocation here: a query per invocation would cost more than the hashing.
@@ -226,11 +232,7 @@ def export_bundle(
     invocations = Invocation.objects.all()
     if invocation_id:
         invocations = invocations.filter(invocation_id=invocation_id)
-    window = Q()
-    if since:
-        window &= Q(created_at__gte=since)
-    if until:
-        window &= Q(created_at__lt=until)
+    window = time_window(since, until)
     touched = Event.objects.filter(window, invocation__in=invocations).values("invocation_id")
     events = (
         Event.objects.filter(invocation__in=touched)
