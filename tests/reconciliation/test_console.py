@@ -500,3 +500,25 @@ def test_the_invocation_page_calls_a_capability_undeclared_only_as_the_api_does(
     assert (status, state["flags"]) == (201, ["undeclared"])
     undeclared = operator.get("/invocations/inv-2/").content.decode()
     assert "unknown.tool (undeclared, risk high)" in undeclared
+
+
+def test_the_dashboard_counts_every_status_at_most_once_a_minute(
+    api: Api, refund: Capability, operator: Client, compliance: Client
+) -> None:
+    """Counting by status reads the whole invocation table: operators share one count
+    a minute through the cache, and the page says when it was taken."""
+    from django.core.cache import cache
+
+    cache.delete("dashboard:by_status")
+    api.intent(invocation_id="inv-1", idempotency_key="k-1")
+
+    def by_status(client: Client) -> str:
+        page = client.get("/dashboard/").content.decode()
+        return page.split("<h2>By status</h2>")[1].split("</section>")[0]
+
+    assert "<td>recorded</td><td>1</td>" in by_status(operator)
+    api.intent(invocation_id="inv-2", idempotency_key="k-2")
+    shared = by_status(compliance)  # within the minute: the same count
+    assert "<td>recorded</td><td>1</td>" in shared and "counted at" in shared
+    cache.delete("dashboard:by_status")  # as the minute runs out
+    assert "<td>recorded</td><td>2</td>" in by_status(operator)
