@@ -18,7 +18,8 @@ URL templates may use {idempotency_key}, {invocation_id} and {business_reference
 (URL-quoted). `{secret:NAME}` in a header comes from the setting LEDGER_PROBE_SECRETS
 (environment LEDGER_PROBE_SECRET_NAME) and is never stored or logged. Anything that
 is not clearly present or absent — timeouts, 5xx, bodies that do not parse,
-redirects (never followed) — is inconclusive.
+redirects (never followed), a reference that is not a string or a number — is
+inconclusive.
 """
 
 from __future__ import annotations
@@ -122,6 +123,22 @@ def _rule_matches(rule: Mapping[str, Any] | None, response: httpx.Response) -> b
     return "equals" not in rule or value == rule["equals"]
 
 
+REFERENCE_LENGTH = 256  # as a runtime's business_reference
+
+
+def _reference(response: httpx.Response, path: str) -> str:
+    """The business reference at `path`: a string or a number, as the API takes one
+    from a runtime. Anything else (an object, a list, a long text) would be recorded
+    as evidence nobody could use, so the answer does not count."""
+    value = _json_path(response.json(), path)
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"the reference at {path!r} is {type(value).__name__}, not a string")
+    reference = str(value)
+    if not reference or len(reference) > REFERENCE_LENGTH:
+        raise ValueError(f"the reference at {path!r} is empty or over {REFERENCE_LENGTH} chars")
+    return reference
+
+
 _local = threading.local()
 
 
@@ -169,7 +186,7 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
     try:
         if _rule_matches(config.get("present"), response):
             reference_path = config["present"].get("reference_path")
-            reference = str(_json_path(response.json(), reference_path)) if reference_path else ""
+            reference = _reference(response, reference_path) if reference_path else ""
             return ProbeResult(Finding.PRESENT, business_reference=reference, summary=summary)
         if _rule_matches(config.get("absent"), response):
             return ProbeResult(Finding.ABSENT, summary=summary)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -143,6 +144,52 @@ def test_a_probe_sends_no_cookie_an_earlier_answer_set(api: Api, refunds: Capabi
         server.server_close()
     assert [result and result.finding for result in findings] == [probes.Finding.ABSENT] * 3
     assert cookies_sent == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("reference", "found"),
+    [
+        ("RF-7", "RF-7"),
+        (7, "7"),
+        ({"id": "RF-7"}, None),
+        ([], None),
+        (True, None),
+        ("", None),
+        ("R" * 257, None),
+    ],
+)
+def test_a_probe_reference_must_be_a_usable_one(
+    api: Api, refunds: Capability, reference: Any, found: str | None
+) -> None:
+    """An answer whose reference is an object, a list or a long text is no evidence of
+    which refund it was: inconclusive, never a reference like "{'id': 'RF-7'}"."""
+    body = json.dumps({"status": "succeeded", "id": reference}).encode()
+
+    class Answers(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config = {**refunds.probe, "url": f"http://127.0.0.1:{server.server_address[1]}/refunds"}
+    try:
+        result = probes.run(config, flagged(api))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result is not None
+    if found is None:
+        assert result.finding is probes.Finding.INCONCLUSIVE
+        assert "the reference at 'id'" in result.detail
+    else:
+        assert (result.finding, result.business_reference) == (probes.Finding.PRESENT, found)
 
 
 def test_no_probe_escalates_at_once(api: Api, refund: Capability) -> None:
