@@ -233,6 +233,10 @@ def run(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult | None
     if not isinstance(result, ProbeResult):  # nor may a python probe's wrong answer
         detail = f"probe returned {type(result).__name__}, not a ProbeResult"
         result = ProbeResult(Finding.INCONCLUSIVE, detail=detail)
+    reference = result.business_reference
+    if not isinstance(reference, str) or len(reference) > REFERENCE_LENGTH:
+        detail = f"probe returned a reference that is not text of at most {REFERENCE_LENGTH}"
+        result = ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     duration = int((time.perf_counter() - started) * 1000)
     return ProbeResult(
         result.finding, result.business_reference, result.detail, result.summary, duration

@@ -234,6 +234,21 @@ def answers_with_a_dict(invocation: Invocation) -> dict[str, str]:
     return {"finding": "effect_present"}
 
 
+def test_a_python_probe_reference_must_be_text(
+    api: Api, refunds: Capability, settings: Any
+) -> None:
+    invocation = flagged(api)
+    config = {"kind": "python", "callable": f"{__name__}.finds_an_object"}
+    settings.LEDGER_PYTHON_PROBES = [config["callable"]]
+    result = probes.run(config, invocation)
+    assert result is not None and result.finding is probes.Finding.INCONCLUSIVE
+    assert result.detail == "probe returned a reference that is not text of at most 256"
+
+
+def finds_an_object(invocation: Invocation) -> probes.ProbeResult:
+    return probes.ProbeResult(probes.Finding.PRESENT, business_reference={"id": 7})  # type: ignore[arg-type]
+
+
 def test_only_one_claim_holds_and_an_expired_lease_reopens(api: Api, refunds: Capability) -> None:
     flagged(api)
     now = timezone.now()
