@@ -160,6 +160,13 @@ def time_window(since: dt.datetime | None, until: dt.datetime | None) -> Q:
     return window
 
 
+def more_events_than(limit: int, *, since: dt.datetime | None, until: dt.datetime | None) -> bool:
+    """Whether more than `limit` events were created in [since, until); counts no
+    further than limit + 1."""
+    in_range = Event.objects.filter(time_window(since, until)).order_by().values("pk")
+    return in_range[: limit + 1].count() > limit
+
+
 def verify(
     *,
     since: dt.datetime | None = None,

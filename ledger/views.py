@@ -29,7 +29,7 @@ from ledger.audit import (
     page_cursor,
     search,
 )
-from ledger.integrity import time_window, verify
+from ledger.integrity import more_events_than, verify
 from ledger.metrics import exposition
 from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
@@ -196,10 +196,8 @@ def audit_verify(request: HttpRequest) -> HttpResponse:
         since, until = form.cleaned_data.get("since"), form.cleaned_data.get("until")
         # A web request must not read the whole of a large ledger: past the limit,
         # the reviewer narrows the range or runs the command.
-        in_range = Event.objects.filter(time_window(since, until)).order_by().values("pk")
         limit = settings.LEDGER_VERIFY_PAGE_MAX_EVENTS
-        counted = in_range[: limit + 1].count()
-        if counted > limit:
+        if more_events_than(limit, since=since, until=until):
             too_many = limit
         else:
             report = verify(since=since, until=until, projections=True)
