@@ -13,7 +13,7 @@ from django import forms
 from django.db.models import QuerySet
 
 from ledger import policy
-from ledger.models import Event, Invocation
+from ledger.models import HAS_BUSINESS_REFERENCE, Event, Invocation
 
 EXPORT_COLUMNS = [
     "invocation_id", "task_id", "runtime", "capability", "subject", "status", "cause",
@@ -48,6 +48,9 @@ class AuditFilterForm(forms.Form):
         required=False, choices=[("", "any flags"), *[(f.value, f.value) for f in policy.Flag]]
     )
     operator = forms.CharField(required=False, help_text="a console user who acted")
+    business_reference = forms.CharField(
+        required=False, help_text="named by an outcome, a probe's finding or a resolution"
+    )
     order = forms.ChoiceField(
         required=False, choices=[("newest", "newest first"), ("oldest", "oldest first")]
     )
@@ -106,6 +109,9 @@ def search(data: dict[str, Any]) -> QuerySet[Invocation]:
         people = Event.objects.filter(actor__startswith="user:")
         acted = people.filter(actor=f"user:{data['operator']}").values("invocation_id")
         rows = rows.filter(pk__in=acted)
+    if data.get("business_reference"):
+        naming = naming_reference(data["business_reference"]).values("invocation_id")
+        rows = rows.filter(pk__in=naming)
     newest_first = data.get("order", "newest") != "oldest"
     if data.get("after"):
         at, pk = data["after"]
@@ -117,6 +123,14 @@ def search(data: dict[str, Any]) -> QuerySet[Invocation]:
     if newest_first:
         return rows.order_by("-created_at", "-pk")
     return rows.order_by("created_at", "pk")
+
+
+def naming_reference(reference: str) -> QuerySet[Event]:
+    """The events whose data names this business reference.
+
+    Spelled with event_business_reference's own condition so PostgreSQL can use it.
+    """
+    return Event.objects.filter(HAS_BUSINESS_REFERENCE, data__business_reference=reference)
 
 
 def export_rows(invocations: QuerySet[Invocation]) -> Iterator[dict[str, Any]]:

@@ -11,6 +11,7 @@ from django.contrib.postgres.fields import ArrayField
 from django.core.validators import RegexValidator
 from django.db import models, transaction
 from django.db.models import Q
+from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from ledger import policy
@@ -414,6 +415,11 @@ class Outcome(models.Model):
         return f"{self.attempt}: {self.kind}"
 
 
+# An event whose data names a business reference. In jsonb's order every non-empty
+# string sorts after "", so this excludes the outcomes that name none.
+HAS_BUSINESS_REFERENCE = Q(data__business_reference__gt="")
+
+
 class Event(models.Model):
     """An append-only fact, hash-chained per invocation.
 
@@ -451,6 +457,14 @@ class Event(models.Model):
             # Recent probe runs (the dashboard, /metrics) without reading every recent event.
             models.Index(
                 fields=["created_at"], condition=Q(kind="probe_run"), name="event_probe_run_time"
+            ),
+            # Links by business reference: the invocations whose evidence (an outcome, a
+            # probe's finding, a resolution) names one. Partial, so the events that name
+            # none, nearly all but outcomes, skip it.
+            models.Index(
+                KeyTransform("business_reference", "data"),
+                condition=HAS_BUSINESS_REFERENCE,
+                name="event_business_reference",
             ),
         ]
 

@@ -23,6 +23,7 @@ from django.views.decorators.http import require_GET, require_POST
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from ledger import chain, policy
+from ledger.audit import naming_reference
 from ledger.metrics import background_work
 from ledger.models import Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
@@ -139,6 +140,54 @@ def probe_run_row(event: Event) -> dict[str, Any]:
     }
 
 
+# How many other invocations the page names for one business reference; the audit
+# search it links to lists them all.
+SHARED_REFERENCE_LIMIT = 10
+
+REFERENCE_SOURCES = {
+    "outcome_recorded": "outcome",
+    "late_outcome_recorded": "late outcome",
+    "probe_run": "probe",
+    "resolution": "resolution",
+    "resolution_approved": "approved resolution",
+}
+
+
+def business_references(invocation: Invocation, events: list[Event]) -> list[dict[str, Any]]:
+    """Each business reference this invocation's evidence names, where it was named,
+    and the other invocations whose evidence names it too.
+
+    One reference on two invocations is what an operator must see before resolving:
+    either one effect is being counted for two intents, or a reference was mistyped.
+    """
+    named: dict[str, list[str]] = {}
+    for event in events:
+        reference = event.data.get("business_reference")
+        if isinstance(reference, str) and reference:
+            source = REFERENCE_SOURCES.get(event.kind, event.kind.replace("_", " "))
+            if event.data.get("proposal") is True:
+                source = "proposed resolution"
+            if source not in named.setdefault(reference, []):
+                named[reference].append(source)
+    references = []
+    for reference, sources in named.items():
+        naming = naming_reference(reference).values("invocation_id")
+        elsewhere = list(
+            Invocation.objects.filter(pk__in=naming)
+            .exclude(pk=invocation.pk)
+            .order_by("created_at", "pk")[: SHARED_REFERENCE_LIMIT + 1]
+        )
+        references.append(
+            {
+                "reference": reference,
+                "sources": sources,
+                "elsewhere": elsewhere[:SHARED_REFERENCE_LIMIT],
+                "more_elsewhere": len(elsewhere) > SHARED_REFERENCE_LIMIT,
+            }
+        )
+    return references
+
+
 def as_json(value: Any) -> str | None:
     """Stored JSON as people read it: indented, keys sorted, non-ASCII as written."""
     if value is None:
@@ -153,6 +202,7 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     proposal = invocation.proposal or {}
     events = timeline(invocation)
     return {
+        "references": business_references(invocation, [e["event"] for e in events]),
         "invocation": invocation,
         "arguments": as_json(invocation.arguments),
         "has_probe": has_probe(invocation),

@@ -185,6 +185,7 @@ def test_high_risk_needs_a_second_different_approver(
     assert '<label for="id_note">note (optional)</label>' in page
     assert "A person's resolution awaits a second person below." in page
     assert "Resolve it below" not in page
+    assert "named by the proposed resolution" in references_section(page.encode())
     self_approver.post("/invocations/inv-1/reject", {"seen_event_count": seen, "note": "check"})
     assert Invocation.objects.get().status == "escalated"
 
@@ -522,3 +523,61 @@ def test_the_dashboard_counts_every_status_at_most_once_a_minute(
     assert "<td>recorded</td><td>1</td>" in shared and "counted at" in shared
     cache.delete("dashboard:by_status")  # as the minute runs out
     assert "<td>recorded</td><td>2</td>" in by_status(operator)
+
+
+def references_section(page: bytes) -> str:
+    return page.decode().split('<ul class="references">')[1].split("</ul>")[0]
+
+
+def test_a_business_reference_on_two_invocations_is_shown_on_each(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    for n, reference in ((1, "RF-981"), (2, "RF-981"), (3, "RF-7 & co")):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"key-{n}", attempt_id="a1")
+        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference=reference)
+
+    shared = references_section(operator.get("/invocations/inv-1/").content)
+    alone = references_section(operator.get("/invocations/inv-3/").content)
+
+    assert '<a href="/audit/?business_reference=RF-981"><code>RF-981</code></a>' in shared
+    assert "named by the outcome" in shared and "Also named by 1 other invocation" in shared
+    assert '<a href="/invocations/inv-2/">inv-2</a> (refund.create, succeeded)' in shared
+    assert "inv-3" not in shared
+    # The link carries the reference whole, however it is spelt.
+    assert "?business_reference=RF-7%20%26%20co" in alone
+    assert "No other invocation names it." in alone
+
+
+def test_a_resolution_naming_another_invocations_reference_is_shown_shared(
+    flagged: str, api: Api, operator: Client
+) -> None:
+    api.intent(invocation_id="inv-2", idempotency_key="key-2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-981")
+    assert "references" not in operator.get("/invocations/inv-1/").content.decode()
+
+    operator.post(
+        "/invocations/inv-1/resolve",
+        {
+            "effect": "effect_present",
+            "business_reference": "RF-981",
+            "note": "found in the payments console",
+            "seen_event_count": Invocation.objects.get(invocation_id="inv-1").event_count,
+        },
+    )
+
+    section = references_section(operator.get("/invocations/inv-1/").content)
+    assert "named by the resolution" in section
+    assert '<a href="/invocations/inv-2/">inv-2</a>' in section
+    assert '<li class="shared">' in section
+
+
+def test_the_audit_search_by_reference_lists_every_invocation_naming_it(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    for n in range(1, 4):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"key-{n}", attempt_id="a1")
+        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference=f"RF-{n % 2}")
+
+    page = operator.get("/audit/", {"business_reference": "RF-1"}).content.decode()
+
+    assert re.findall(r'href="/invocations/(inv-\d)/"', page) == ["inv-3", "inv-1"]

@@ -5,7 +5,8 @@ exported and verified.
 
 It builds a scratch database `<name>_bench_audit`, COPYs one million invocations
 (two runtimes, twenty capabilities, a year of timestamps) each with its first event,
-hash-chained, and reports: audit search p50/p95 for typical filters (first page of the
+hash-chained (one in ten naming a business reference, one in a thousand a person's),
+and reports: audit search p50/p95 for typical filters (first page of the
 keyset), export rows per second and the exporting process's peak RSS for 200,000
 events, and `verify_ledger` events per second. Last line: JSON. Not a test.
 """
@@ -37,6 +38,17 @@ COLUMNS = (
     "in_flight_attempt", "event_count", "head_hash", "updated_at",
 )  # fmt: skip
 STATUSES = ("succeeded", "succeeded", "succeeded", "failed", "retry_allowed", "escalated")
+
+
+def event_actor(n: int) -> str:
+    """One event in a thousand is a person's, for the search by operator to find."""
+    return "user:olga" if n % 1000 == 7 else "runtime:bench"
+
+
+def event_data(n: int) -> dict[str, Any]:
+    if n % 10 == 1:
+        return {"n": n, "business_reference": f"RF-{n // 20}"}
+    return {"n": n}
 
 
 class Command(BaseCommand):
@@ -104,11 +116,19 @@ class Command(BaseCommand):
                         created, False, False, 5, 30000, 60000, "medium",
                         STATUSES[n % len(STATUSES)], "", "", "", flags, 1, "", 1, head, created,
                     ))  # fmt: skip
+            # As event_actor and event_data, which event_hash's body holds: every tenth
+            # event names a business reference, and every reference is named by two.
+            conn.execute(
+                "CREATE FUNCTION pg_temp.event_data(n int) RETURNS jsonb LANGUAGE sql AS $$ "
+                "SELECT CASE WHEN n % 10 = 1 THEN jsonb_build_object('n', n, "
+                "'business_reference', 'RF-' || n / 20) ELSE jsonb_build_object('n', n) END $$"
+            )
             conn.execute(
                 "INSERT INTO ledger_event (invocation_id, seq, kind, actor, data, created_at, "
-                "prev_hash, hash) SELECT i.id, 1, 'intent_recorded', 'runtime:bench', "
-                "jsonb_build_object('n', substr(i.invocation_id, 5)::int), i.created_at, "
-                "repeat('0', 64), i.head_hash FROM ledger_invocation i"
+                "prev_hash, hash) SELECT i.id, 1, 'intent_recorded', "
+                "CASE WHEN n % 1000 = 7 THEN 'user:olga' ELSE 'runtime:bench' END, "
+                "pg_temp.event_data(n), i.created_at, repeat('0', 64), i.head_hash "
+                "FROM ledger_invocation i, CAST(substr(i.invocation_id, 5) AS int) AS n"
             )
             conn.commit()
             conn.autocommit = True
@@ -119,7 +139,7 @@ class Command(BaseCommand):
     def event_hash(n: int, created: dt.datetime) -> str:
         body = {
             "invocation_id": f"inv-{n}", "seq": 1, "kind": "intent_recorded",
-            "actor": "runtime:bench", "data": {"n": n},
+            "actor": event_actor(n), "data": event_data(n),
             "created_at": created.isoformat(), "prev_hash": chain.GENESIS_HASH,
         }  # fmt: skip
         return chain.event_hash(chain.GENESIS_HASH, body)
@@ -140,18 +160,20 @@ class Command(BaseCommand):
             "flag": {"flag": "undeclared"},
             "capability + month": {"capability": "cap.3", **month},
             "operator": {"operator": "olga"},
+            "business reference": {"business_reference": "RF-42"},
         }
         timings: dict[str, Any] = {}
         for label, data in filters.items():
             samples = []
             for _ in range(20):
                 started = time.perf_counter()
-                list(search(data)[:51])
+                found = len(search(data)[:51])
                 samples.append(time.perf_counter() - started)
             samples.sort()
             timings[label] = {
                 "p50_ms": round(statistics.median(samples) * 1000, 2),
                 "p95_ms": round(samples[int(len(samples) * 0.95) - 1] * 1000, 2),
+                "rows": found,  # of at most 51: a search that finds nothing is no test
             }
         return timings
 
@@ -193,9 +215,9 @@ class Command(BaseCommand):
     def report(self, results: dict[str, Any]) -> None:
         out = self.stdout.write
         out(f"{results['invocations']} invocations COPYed in {results['generate_seconds']} s")
-        out(f"{'audit search (first page)':<32}{'p50 ms':>10}{'p95 ms':>10}")
-        for label, timing in results["search"].items():
-            out(f"{label:<32}{timing['p50_ms']:>10}{timing['p95_ms']:>10}")
+        out(f"{'audit search (first page)':<32}{'p50 ms':>10}{'p95 ms':>10}{'rows':>8}")
+        for label, t in results["search"].items():
+            out(f"{label:<32}{t['p50_ms']:>10}{t['p95_ms']:>10}{t['rows']:>8}")
         export = results["export"]
         out(
             f"export: {export['rows']} rows in {export['seconds']} s "
