@@ -459,8 +459,9 @@ class Event(models.Model):
                 fields=["created_at"], condition=Q(kind="probe_run"), name="event_probe_run_time"
             ),
             # Links by business reference: the invocations whose evidence (an outcome, a
-            # probe's finding, a resolution) names one. Partial, so the events that name
-            # none, nearly all but outcomes, skip it.
+            # probe's finding, a resolution) names one. Partial: the events that name
+            # none skip it. Migration 0024 adds the statistics of its expression, which
+            # PostgreSQL keeps for no partial index and Django cannot declare.
             models.Index(
                 KeyTransform("business_reference", "data"),
                 condition=HAS_BUSINESS_REFERENCE,
