@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django import forms
 
 from ledger import policy
@@ -41,6 +43,23 @@ class ResolveForm(ActionForm):
     )
     business_reference = forms.CharField(required=False, max_length=256)
     note = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=4000)
+    # Asked for only when another invocation's evidence names the same reference.
+    same_reference_confirmed = forms.BooleanField(required=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shared_with: list[str] = []
+
+    def refuse_shared(self, others: list[str]) -> None:
+        """The reference is named by these other invocations and the person has not
+        said that it is right: one effect must not be counted for two intents."""
+        self.shared_with = others
+        self.add_error(
+            "business_reference",
+            f"{self.cleaned_data['business_reference']} is already named by "
+            f"{', '.join(others)}. If this invocation's effect really has that reference, "
+            "confirm it below.",
+        )
 
     def clean(self) -> dict[str, object]:
         data = super().clean() or {}

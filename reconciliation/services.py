@@ -9,6 +9,7 @@ both settle the same invocation.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
@@ -200,9 +201,14 @@ def invocation_resolve(
     business_reference: str = "",
     note: str,
     seen_event_count: int | None = None,
+    also_named_by: Sequence[str] = (),
 ) -> Invocation:
     """A person's resolution. High-risk invocations only get a proposal, which a
-    second, different person must approve (invocation_approve)."""
+    second, different person must approve (invocation_approve).
+
+    `also_named_by`: the other invocations whose evidence names the same business
+    reference, which the person confirmed knowing of; the event records them.
+    """
     if not note.strip():
         raise LedgerError("validation_failed", "a note is required", status=400)
     if effect is policy.Effect.PRESENT and not business_reference.strip():
@@ -215,7 +221,13 @@ def invocation_resolve(
     def change(invocation: Invocation) -> dict[str, Any] | None:
         _not_stale(invocation, seen_event_count)
         state = invocation.state()
-        data = {"effect": effect.value, "business_reference": business_reference, "note": note}
+        data: dict[str, Any] = {
+            "effect": effect.value,
+            "business_reference": business_reference,
+            "note": note,
+        }
+        if also_named_by:
+            data["also_named_by"] = list(also_named_by)
         try:
             if invocation.risk_level == "high":
                 invocation.apply_state(policy.propose(state))

@@ -171,12 +171,7 @@ def business_references(invocation: Invocation, events: list[Event]) -> list[dic
                 named[reference].append(source)
     references = []
     for reference, sources in named.items():
-        naming = naming_reference(reference).values("invocation_id")
-        elsewhere = list(
-            Invocation.objects.filter(pk__in=naming)
-            .exclude(pk=invocation.pk)
-            .order_by("created_at", "pk")[: SHARED_REFERENCE_LIMIT + 1]
-        )
+        elsewhere = named_elsewhere(reference, invocation.invocation_id)
         references.append(
             {
                 "reference": reference,
@@ -186,6 +181,14 @@ def business_references(invocation: Invocation, events: list[Event]) -> list[dic
             }
         )
     return references
+
+
+def named_elsewhere(reference: str, invocation_id: str) -> list[Invocation]:
+    """The first SHARED_REFERENCE_LIMIT + 1 other invocations whose evidence names
+    the reference, oldest first."""
+    naming = naming_reference(reference).values("invocation_id")
+    rows = Invocation.objects.filter(pk__in=naming).exclude(invocation_id=invocation_id)
+    return list(rows.order_by("created_at", "pk")[: SHARED_REFERENCE_LIMIT + 1])
 
 
 def as_json(value: Any) -> str | None:
@@ -268,6 +271,12 @@ def _seen(request: HttpRequest) -> int | None:
 @role_required(*ACTORS)
 def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
     form = ResolveForm(request.POST)
+    shared: list[str] = []
+    if form.is_valid() and form.cleaned_data["effect"] == policy.Effect.PRESENT:
+        reference = form.cleaned_data["business_reference"]
+        shared = [other.invocation_id for other in named_elsewhere(reference, invocation_id)]
+        if shared and not form.cleaned_data["same_reference_confirmed"]:
+            form.refuse_shared(shared)
     if not form.is_valid():
         context = invocation_context(request, _invocation(invocation_id))
         context["resolve_form"] = form
@@ -281,6 +290,7 @@ def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
             business_reference=form.cleaned_data["business_reference"],
             note=form.cleaned_data["note"],
             seen_event_count=form.cleaned_data["seen_event_count"],
+            also_named_by=shared,
         )
     except LedgerError as error:
         return _refused(request, invocation_id, error)

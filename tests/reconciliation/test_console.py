@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -548,27 +549,65 @@ def test_a_business_reference_on_two_invocations_is_shown_on_each(
     assert "No other invocation names it." in alone
 
 
-def test_a_resolution_naming_another_invocations_reference_is_shown_shared(
-    flagged: str, api: Api, operator: Client
-) -> None:
-    api.intent(invocation_id="inv-2", idempotency_key="key-2", attempt_id="a1")
-    api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-981")
-    assert "references" not in operator.get("/invocations/inv-1/").content.decode()
-
-    operator.post(
+def resolve_with(operator: Client, reference: str, **extra: str) -> Any:
+    return operator.post(
         "/invocations/inv-1/resolve",
         {
             "effect": "effect_present",
-            "business_reference": "RF-981",
+            "business_reference": reference,
             "note": "found in the payments console",
             "seen_event_count": Invocation.objects.get(invocation_id="inv-1").event_count,
+            **extra,
         },
     )
 
+
+@pytest.fixture
+def inv_2_names_rf_981(flagged: str, api: Api) -> None:
+    api.intent(invocation_id="inv-2", idempotency_key="key-2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-981")
+
+
+def test_a_reference_another_invocation_names_must_be_confirmed(
+    inv_2_names_rf_981: None, operator: Client
+) -> None:
+    """One effect must not be counted for two intents without a person saying so."""
+    before = Invocation.objects.get(invocation_id="inv-1").event_count
+
+    refused = resolve_with(operator, "RF-981")
+
+    assert refused.status_code == 400
+    page = refused.content.decode()
+    assert "RF-981 is already named by inv-2." in page
+    assert 'name="same_reference_confirmed"' in page
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert (invocation.status, invocation.event_count) == ("reconciliation_required", before)
+
+
+def test_a_confirmed_shared_reference_resolves_and_is_recorded(
+    inv_2_names_rf_981: None, operator: Client
+) -> None:
+    assert "references" not in operator.get("/invocations/inv-1/").content.decode()
+
+    resolve_with(operator, "RF-981", same_reference_confirmed="on")
+
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert invocation.status == "succeeded"
+    assert invocation.events.get(kind="resolution").data["also_named_by"] == ["inv-2"]
     section = references_section(operator.get("/invocations/inv-1/").content)
     assert "named by the resolution" in section
     assert '<a href="/invocations/inv-2/">inv-2</a>' in section
     assert '<li class="shared">' in section
+
+
+def test_a_reference_no_other_invocation_names_needs_no_confirmation(
+    inv_2_names_rf_981: None, operator: Client
+) -> None:
+    resolve_with(operator, "RF-982")
+
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert invocation.status == "succeeded"
+    assert "also_named_by" not in invocation.events.get(kind="resolution").data
 
 
 def test_the_audit_search_by_reference_lists_every_invocation_naming_it(
