@@ -133,6 +133,14 @@ def naming_reference(reference: str) -> QuerySet[Event]:
     return Event.objects.filter(HAS_BUSINESS_REFERENCE, data__business_reference=reference)
 
 
+def invocations_naming(reference: str, *, besides: str, limit: int) -> list[Invocation]:
+    """Up to `limit` invocations other than `besides` whose evidence names the
+    reference, oldest first."""
+    naming = naming_reference(reference).values("invocation_id")
+    rows = Invocation.objects.filter(pk__in=naming).exclude(invocation_id=besides)
+    return list(rows.order_by("created_at", "pk")[:limit])
+
+
 def export_rows(invocations: QuerySet[Invocation]) -> Iterator[dict[str, Any]]:
     """Every event of the matching invocations, one row each, in constant memory."""
     events = (

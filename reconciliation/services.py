@@ -9,13 +9,13 @@ both settle the same invocation.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
 from django.utils import timezone
 
 from ledger import policy
+from ledger.audit import invocations_naming
 from ledger.models import Invocation
 from ledger.services import LedgerError, invocation_transition
 from reconciliation.probes import Finding, ProbeResult
@@ -193,6 +193,22 @@ def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
     return changed is not None
 
 
+# How many of the other invocations naming a reference a refusal and an event list.
+SHARED_NAMED_LIMIT = 10
+
+
+class SharedReference(LedgerError):
+    """The business reference is named by other invocations' evidence already."""
+
+    def __init__(self, also_named_by: list[str]) -> None:
+        super().__init__(
+            "business_reference_shared",
+            "other invocations' evidence names this business reference",
+            details={"also_named_by": also_named_by},
+        )
+        self.also_named_by = also_named_by
+
+
 def invocation_resolve(
     *,
     invocation_id: str,
@@ -201,13 +217,14 @@ def invocation_resolve(
     business_reference: str = "",
     note: str,
     seen_event_count: int | None = None,
-    also_named_by: Sequence[str] = (),
+    shared_reference_confirmed: bool = False,
 ) -> Invocation:
     """A person's resolution. High-risk invocations only get a proposal, which a
     second, different person must approve (invocation_approve).
 
-    `also_named_by`: the other invocations whose evidence names the same business
-    reference, which the person confirmed knowing of; the event records them.
+    An effect whose business reference other invocations' evidence names already
+    would count one effect for two intents: it is refused (SharedReference) unless
+    the person confirmed the reference, and then the event names those invocations.
     """
     if not note.strip():
         raise LedgerError("validation_failed", "a note is required", status=400)
@@ -226,8 +243,14 @@ def invocation_resolve(
             "business_reference": business_reference,
             "note": note,
         }
-        if also_named_by:
-            data["also_named_by"] = list(also_named_by)
+        if effect is policy.Effect.PRESENT:
+            others = invocations_naming(
+                business_reference, besides=invocation.invocation_id, limit=SHARED_NAMED_LIMIT
+            )
+            if others and not shared_reference_confirmed:
+                raise SharedReference([other.invocation_id for other in others])
+            if others:
+                data["also_named_by"] = [other.invocation_id for other in others]
         try:
             if invocation.risk_level == "high":
                 invocation.apply_state(policy.propose(state))

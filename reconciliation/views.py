@@ -23,7 +23,7 @@ from django.views.decorators.http import require_GET, require_POST
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from ledger import chain, policy
-from ledger.audit import naming_reference
+from ledger.audit import invocations_naming
 from ledger.metrics import background_work
 from ledger.models import Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
@@ -171,7 +171,9 @@ def business_references(invocation: Invocation, events: list[Event]) -> list[dic
                 named[reference].append(source)
     references = []
     for reference, sources in named.items():
-        elsewhere = named_elsewhere(reference, invocation.invocation_id)
+        elsewhere = invocations_naming(
+            reference, besides=invocation.invocation_id, limit=SHARED_REFERENCE_LIMIT + 1
+        )
         references.append(
             {
                 "reference": reference,
@@ -181,14 +183,6 @@ def business_references(invocation: Invocation, events: list[Event]) -> list[dic
             }
         )
     return references
-
-
-def named_elsewhere(reference: str, invocation_id: str) -> list[Invocation]:
-    """The first SHARED_REFERENCE_LIMIT + 1 other invocations whose evidence names
-    the reference, oldest first."""
-    naming = naming_reference(reference).values("invocation_id")
-    rows = Invocation.objects.filter(pk__in=naming).exclude(invocation_id=invocation_id)
-    return list(rows.order_by("created_at", "pk")[: SHARED_REFERENCE_LIMIT + 1])
 
 
 def as_json(value: Any) -> str | None:
@@ -271,17 +265,8 @@ def _seen(request: HttpRequest) -> int | None:
 @role_required(*ACTORS)
 def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
     form = ResolveForm(request.POST)
-    shared: list[str] = []
-    if form.is_valid() and form.cleaned_data["effect"] == policy.Effect.PRESENT:
-        reference = form.cleaned_data["business_reference"]
-        shared = [other.invocation_id for other in named_elsewhere(reference, invocation_id)]
-        if shared and not form.cleaned_data["same_reference_confirmed"]:
-            form.refuse_shared(shared)
     if not form.is_valid():
-        context = invocation_context(request, _invocation(invocation_id))
-        context["resolve_form"] = form
-        status = 200 if request.htmx else 400  # type: ignore[attr-defined]
-        return render(request, "reconciliation/invocation.html#detail", context, status=status)
+        return _resolve_form_again(request, invocation_id, form)
     try:
         result = services.invocation_resolve(
             invocation_id=invocation_id,
@@ -290,8 +275,11 @@ def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
             business_reference=form.cleaned_data["business_reference"],
             note=form.cleaned_data["note"],
             seen_event_count=form.cleaned_data["seen_event_count"],
-            also_named_by=shared,
+            shared_reference_confirmed=form.cleaned_data["same_reference_confirmed"],
         )
+    except services.SharedReference as shared:
+        form.refuse_shared(shared.also_named_by)
+        return _resolve_form_again(request, invocation_id, form)
     except LedgerError as error:
         return _refused(request, invocation_id, error)
     done = (
@@ -300,6 +288,16 @@ def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
         else f"Resolved: {result.status}."
     )
     return _after_action(request, invocation_id, done)
+
+
+def _resolve_form_again(
+    request: HttpRequest, invocation_id: str, form: ResolveForm
+) -> HttpResponse:
+    """The resolve form with its errors, in place; nothing was applied."""
+    context = invocation_context(request, _invocation(invocation_id))
+    context["resolve_form"] = form
+    status = 200 if request.htmx else 400  # type: ignore[attr-defined]
+    return render(request, "reconciliation/invocation.html#detail", context, status=status)
 
 
 @require_POST
