@@ -500,7 +500,14 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
             invocation,
             "outcome_conflict",
             actor,
-            {"attempt_id": item.attempt_id, "claimed": claim, "recorded": kept},
+            {
+                "attempt_id": item.attempt_id,
+                "claimed": claim,
+                "recorded": kept,
+                # At the top, as in every event that names a reference, so that the
+                # search by reference and the links between invocations find the claim.
+                "business_reference": claim["business_reference"],
+            },
         )
         raise LedgerError(
             "outcome_conflict",

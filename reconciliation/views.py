@@ -147,6 +147,7 @@ SHARED_REFERENCE_LIMIT = 10
 REFERENCE_SOURCES = {
     "outcome_recorded": "outcome",
     "late_outcome_recorded": "late outcome",
+    "outcome_conflict": "conflicting outcome claim",
     "probe_run": "probe",
     "resolution": "resolution",
     "resolution_approved": "approved resolution",

@@ -99,14 +99,17 @@ def test_a_different_outcome_for_the_same_attempt_is_kept_as_a_flagged_claim(
     in_flight: Api,
 ) -> None:
     in_flight.outcome("inv-1", "a1", kind="succeeded")
-    status, body = in_flight.outcome("inv-1", "a1", kind="business_failed")
+    status, body = in_flight.outcome(
+        "inv-1", "a1", kind="business_failed", business_reference="RF-2"
+    )
     assert (status, body["error"]["type"]) == (409, "outcome_conflict")
-    assert body["error"]["details"]["fields"] == ["kind"]
+    assert body["error"]["details"]["fields"] == ["business_reference", "kind"]
     invocation = Invocation.objects.get()
     assert invocation.flags == ["evidence_conflict"]
     assert Outcome.objects.get().kind == "succeeded"
     claim = invocation.events.get(kind="outcome_conflict")
     assert claim.data["claimed"]["kind"] == "business_failed"
+    assert claim.data["business_reference"] == "RF-2"  # found by it, like an outcome's
 
 
 def test_a_result_is_digested_and_masked(in_flight: Api) -> None:

@@ -610,6 +610,27 @@ def test_a_reference_no_other_invocation_names_needs_no_confirmation(
     assert "also_named_by" not in invocation.events.get(kind="resolution").data
 
 
+def test_a_reference_only_a_conflicting_claim_names_is_linked_and_confirmed(
+    flagged: str, api: Api, operator: Client
+) -> None:
+    """A runtime that claims, too late, an effect under a reference another outcome
+    already settled is evidence of that reference all the same."""
+    api.intent(invocation_id="inv-2", idempotency_key="key-2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-980")
+    status, _ = api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-981")
+    assert status == 409
+
+    section = references_section(operator.get("/invocations/inv-2/").content)
+    found = operator.get("/audit/", {"business_reference": "RF-981"}).content.decode()
+    refused = resolve_with(operator, "RF-981")
+
+    rf_981 = next(item for item in section.split("<li")[1:] if "RF-981" in item)
+    assert "named by the conflicting outcome claim." in rf_981
+    assert re.findall(r'href="/invocations/(inv-\d)/"', found) == ["inv-2"]
+    assert refused.status_code == 400
+    assert "RF-981 is already named by inv-2." in refused.content.decode()
+
+
 def test_the_audit_search_by_reference_lists_every_invocation_naming_it(
     api: Api, refund: Capability, operator: Client
 ) -> None:
