@@ -103,6 +103,11 @@ def test_each_filter_matches_a_direct_sql_count(
     assert search_ids(reviewer, **params) == expected
 
 
+def test_a_runtime_that_does_not_exist_finds_nothing(history: None, reviewer: Client) -> None:
+    assert search_ids(reviewer, runtime="runtime-z") == set()
+    assert search_ids(reviewer, runtime="runtime-a")  # the same search, a known name
+
+
 def test_a_business_reference_is_found_through_its_index(history: None) -> None:
     """Even where a sequential scan is cheap, the reference filter can use the index:
     the query carries the partial index's condition."""
