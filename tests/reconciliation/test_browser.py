@@ -120,6 +120,33 @@ def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
     assert (approved["proposed_by"], approved["approved_by"]) == ("user:olga", "user:abe")
 
 
+@pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
+def test_a_reference_another_invocation_names_is_resolved_only_once_confirmed(
+    browser: Browser, live_server: Any, flagged: None, api: Api, javascript: bool
+) -> None:
+    api.intent(invocation_id="inv-3", idempotency_key="k-3", attempt_id="a1")
+    api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-4471")
+    user("olga", "operator")
+    page = log_in(browser, live_server.url, "olga", javascript)
+    page.goto(f"{live_server.url}/invocations/inv-1/")
+    page.check("input[value=effect_present]")
+    page.fill("#id_business_reference", "RF-4471")
+    page.fill("#id_note", "Refund RF-4471 is in the payments console.")
+    page.click("form.resolve button[type=submit]")
+
+    expect(page.locator("form.resolve")).to_contain_text("RF-4471 is already named by inv-3.")
+    expect(page.locator("dd.status")).to_have_text("reconciliation_required")
+    # What the person typed is still there; only the confirmation is new.
+    expect(page.locator("#id_note")).to_have_value("Refund RF-4471 is in the payments console.")
+    page.check("input[name=same_reference_confirmed]")
+    page.click("form.resolve button[type=submit]")
+
+    expect(page.locator("dd.status")).to_have_text("succeeded")
+    expect(page.locator("ul.references")).to_contain_text("Also named by 1 other invocation")
+    resolution = Invocation.objects.get(invocation_id="inv-1").events.get(kind="resolution")
+    assert resolution.data["also_named_by"] == ["inv-3"]
+
+
 def test_no_page_logs_an_error_in_the_browser(
     browser: Browser, live_server: Any, flagged: None
 ) -> None:
