@@ -73,6 +73,14 @@ def log_in(
     return page
 
 
+def resolve_as_present(page: Page, url: str, reference: str) -> None:
+    page.goto(url)
+    page.check("input[value=effect_present]")
+    page.fill("#id_business_reference", reference)
+    page.fill("#id_note", f"Refund {reference} is in the payments console.")
+    page.click("form.resolve button[type=submit]")
+
+
 @pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
 def test_an_operator_filters_opens_resolves_and_the_item_leaves_the_queue(
     browser: Browser, live_server: Any, flagged: None, javascript: bool
@@ -104,11 +112,7 @@ def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
     user("olga", "operator")
     user("abe", "approver")
     page = log_in(browser, live_server.url, "olga", javascript)
-    page.goto(f"{live_server.url}/invocations/inv-2/")
-    page.check("input[value=effect_present]")
-    page.fill("#id_business_reference", "RF-4471")
-    page.fill("#id_note", "Refund RF-4471 is in the payments console.")
-    page.click("form.resolve button[type=submit]")
+    resolve_as_present(page, f"{live_server.url}/invocations/inv-2/", "RF-4471")
     expect(page.locator("dd.status")).to_have_text("resolution_proposed")
     expect(page.locator(".proposal")).not_to_contain_text("Approve")  # not for the proposer
     approver = log_in(browser, live_server.url, "abe", javascript)
@@ -128,11 +132,7 @@ def test_a_reference_another_invocation_names_is_resolved_only_once_confirmed(
     api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-4471")
     user("olga", "operator")
     page = log_in(browser, live_server.url, "olga", javascript)
-    page.goto(f"{live_server.url}/invocations/inv-1/")
-    page.check("input[value=effect_present]")
-    page.fill("#id_business_reference", "RF-4471")
-    page.fill("#id_note", "Refund RF-4471 is in the payments console.")
-    page.click("form.resolve button[type=submit]")
+    resolve_as_present(page, f"{live_server.url}/invocations/inv-1/", "RF-4471")
 
     expect(page.locator("form.resolve")).to_contain_text("RF-4471 is already named by inv-3.")
     expect(page.locator("dd.status")).to_have_text("reconciliation_required")
