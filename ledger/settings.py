@@ -102,6 +102,19 @@ LOGOUT_REDIRECT_URL = "login"
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_HTTPONLY = False  # htmx reads the token from the page, not the cookie
 
+# Served over HTTPS only (a deployment; the embedded defaults serve plain HTTP on
+# 127.0.0.1): cookies are never sent in clear and plain HTTP is redirected, except
+# the probes a load balancer or Prometheus sends to the process itself.
+HTTPS = env_bool("LEDGER_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = HTTPS
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+# Off unless asked for: a browser that has seen it refuses plain HTTP for that long.
+SECURE_HSTS_SECONDS = env_int("LEDGER_HSTS_SECONDS", 0)
+# Only behind a proxy that terminates TLS and sets X-Forwarded-Proto itself, dropping
+# whatever a client sent: otherwise any client could claim its request was secure.
+if env_bool("LEDGER_PROXY_SETS_X_FORWARDED_PROTO", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
 ROOT_URLCONF = "ledger.urls"
 WSGI_APPLICATION = "ledger.wsgi.application"
 
