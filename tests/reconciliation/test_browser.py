@@ -178,6 +178,7 @@ def test_screenshots_of_the_console(
         "queue.png": "/",
         "invocation.png": "/invocations/inv-2/",
         "dashboard.png": "/dashboard/",
+        "audit.png": "/audit/?capability=refund.create",
     }
     for name, path in shots.items():
         page.goto(f"{live_server.url}{path}")
