@@ -105,8 +105,8 @@ CSRF_COOKIE_HTTPONLY = False  # htmx reads the token from the page, not the cook
 # Served over HTTPS only (a deployment; the embedded defaults serve plain HTTP on
 # 127.0.0.1): cookies are never sent in clear and plain HTTP is redirected, except
 # the probes a load balancer or Prometheus sends to the process itself.
-HTTPS = env_bool("LEDGER_HTTPS", False)
-SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = HTTPS
+LEDGER_HTTPS = env_bool("LEDGER_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = LEDGER_HTTPS
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 # Off unless asked for: a browser that has seen it refuses plain HTTP for that long.
 SECURE_HSTS_SECONDS = env_int("LEDGER_HSTS_SECONDS", 0)
