@@ -188,6 +188,26 @@ class _Work:
         self.capabilities = {scope: entry.capability for scope, entry in known.items()}
         self.unchanged_capabilities = list(known.values())
 
+    def claim_kept(self, invocation: Invocation, attempt_id: str, claim: dict[str, Any]) -> bool:
+        """Whether this conflicting claim about the attempt is already kept: in this
+        unit, or in an event stored before it (read only on this rare path)."""
+        pending = (
+            (event.data["attempt_id"], event.data["claimed"])
+            for event, owner in self.new_events
+            if owner == invocation.invocation_id and event.kind == "outcome_conflict"
+        )
+        if (attempt_id, claim) in pending:
+            return True
+        if invocation.pk is None:
+            return False
+        kept = Event.objects.filter(
+            invocation_id=invocation.pk,
+            kind="outcome_conflict",
+            data__attempt_id=attempt_id,
+            data__claimed=claim,
+        )
+        return kept.exists()
+
     def _remember(self, invocation: Invocation) -> None:
         self.invocations[invocation.invocation_id] = invocation
         self.by_key[invocation.capability_scope, invocation.idempotency_key] = invocation
@@ -494,21 +514,24 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
         )
         if kept == claim:
             return Applied(invocation, False, typed_state(invocation))
-        # The contradicting claim is evidence too: keep it, flag the invocation.
-        invocation.flags = sorted({*invocation.flags, policy.Flag.EVIDENCE_CONFLICT.value})
-        work.event(
-            invocation,
-            "outcome_conflict",
-            actor,
-            {
-                "attempt_id": item.attempt_id,
-                "claimed": claim,
-                "recorded": kept,
-                # At the top, as in every event that names a reference, so that the
-                # search by reference and the links between invocations find the claim.
-                "business_reference": claim["business_reference"],
-            },
-        )
+        # The contradicting claim is evidence too: keep it, flag the invocation. The
+        # same claim sent again is a replay, answered alike and kept once: a runtime
+        # retrying its 409 must not grow the chain with every try.
+        if not work.claim_kept(invocation, item.attempt_id, claim):
+            invocation.flags = sorted({*invocation.flags, policy.Flag.EVIDENCE_CONFLICT.value})
+            work.event(
+                invocation,
+                "outcome_conflict",
+                actor,
+                {
+                    "attempt_id": item.attempt_id,
+                    "claimed": claim,
+                    "recorded": kept,
+                    # At the top, as in every event that names a reference, so that
+                    # the search by reference and the links between invocations find it.
+                    "business_reference": claim["business_reference"],
+                },
+            )
         raise LedgerError(
             "outcome_conflict",
             "a different outcome was already recorded for this attempt",

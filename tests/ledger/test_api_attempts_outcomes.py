@@ -112,6 +112,32 @@ def test_a_different_outcome_for_the_same_attempt_is_kept_as_a_flagged_claim(
     assert claim.data["business_reference"] == "RF-2"  # found by it, like an outcome's
 
 
+def test_the_same_conflicting_claim_again_is_answered_alike_and_kept_once(
+    in_flight: Api,
+) -> None:
+    in_flight.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    first = in_flight.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-2")
+    again = in_flight.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-2")
+    other = in_flight.outcome("inv-1", "a1", kind="business_failed")
+
+    assert first == again and first[0] == 409
+    assert other[1]["error"]["details"]["fields"] == ["business_reference", "kind"]
+    claims = Event.objects.filter(kind="outcome_conflict").order_by("seq")
+    assert [c.data["claimed"]["kind"] for c in claims] == ["succeeded", "business_failed"]
+
+
+def test_one_batch_sending_a_conflicting_claim_twice_keeps_it_once(in_flight: Api) -> None:
+    claim = {"type": "outcome", "invocation_id": "inv-1", "attempt_id": "a1", "kind": "succeeded"}
+    status, body = in_flight.post(
+        "/api/v1/evidence",
+        [claim, {**claim, "kind": "business_failed"}, {**claim, "kind": "business_failed"}],
+    )
+
+    assert status == 207
+    assert [r["status"] for r in body["results"]] == [201, 409, 409]
+    assert Event.objects.filter(kind="outcome_conflict").count() == 1
+
+
 def test_a_result_is_digested_and_masked(in_flight: Api) -> None:
     result = {"refund_id": "RF-1", "token": "tok_live"}
     in_flight.outcome("inv-1", "a1", kind="succeeded", result=result)
