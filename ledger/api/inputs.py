@@ -34,7 +34,10 @@ SCOPE_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._:-]*(?!\n)$"
 PRINTABLE_REGEX = r"^[^\x00-\x1f\x7f]*(?!\n)$"
 NO_NUL_REGEX = r"^[^\x00]*$"
 DIGEST_REGEX = r"^sha256:[0-9a-f]{64}(?!\n)$"
-TRACEPARENT_REGEX = r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(?!\n)$"
+# W3C Trace Context: version ff and an all-zero trace or parent id are invalid.
+TRACEPARENT_REGEX = (
+    r"^(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}(?!\n)$"
+)
 IDENTIFIER_PATTERN = re.compile(IDENTIFIER_REGEX)
 
 # msgspec names the pattern a string missed; people are told what to send instead.

@@ -39,6 +39,13 @@ def test_it_records_an_intent_without_attempt_as_recorded(api: Api, refund: Capa
     assert (status, body["status"], body["next_action"]) == (201, "recorded", "dispatch")
 
 
+def test_a_w3c_traceparent_is_kept(api: Api, refund: Capability) -> None:
+    sent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"  # the spec's example
+    status, _ = api.post("/api/v1/intents", intent_body(traceparent=sent))
+    assert status == 201
+    assert Invocation.objects.get().traceparent == sent
+
+
 def test_the_request_time_is_kept_as_its_instant_in_utc(api: Api, refund: Capability) -> None:
     status, _ = api.intent(requested_at="2026-12-02T10:00:00.250+01:00")
     assert status == 201
@@ -276,6 +283,14 @@ BAD_BODIES = [
     ("NUL in a value", intent_body(arguments={"note": "a\x00b"}), "validation_failed", "arguments"),
     ("NUL in a key", intent_body(arguments={"a\x00": 1}), "validation_failed", "arguments"),
     ("bad traceparent", intent_body(traceparent="00-zz"), "validation_failed", "traceparent"),
+    *[
+        (f"traceparent {name}", intent_body(traceparent=value), "validation_failed", "traceparent")
+        for name, value in (
+            ("version ff", f"ff-{'1' * 32}-{'1' * 16}-01"),
+            ("zero trace id", f"00-{'0' * 32}-{'1' * 16}-01"),
+            ("zero parent id", f"00-{'1' * 32}-{'0' * 16}-01"),
+        )
+    ],
     ("no arguments", intent_body(arguments=None), "validation_failed", "arguments"),
     ("empty key", intent_body(idempotency_key=""), "validation_failed", "idempotency_key"),
     ("bad scope", intent_body(capability="refund create"), "validation_failed", "capability"),
