@@ -269,10 +269,22 @@ def outcome(data: Any, invocation_id: str, attempt_id: str) -> OutcomeInput:
     return _outcome(_convert(data, Outcome), invocation_id, attempt_id)
 
 
+NEVER_REACHED_THE_BUSINESS = {
+    policy.OutcomeKind.PRE_DISPATCH_REJECTED,
+    policy.OutcomeKind.DISPATCH_NOT_ESTABLISHED,
+}
+
+
 def _outcome(body: Outcome, invocation_id: str, attempt_id: str) -> OutcomeInput:
     result_digest = "" if body.result is UNSET else _json_digest("result", body.result)
     if body.retryable and body.kind != policy.OutcomeKind.BUSINESS_FAILED:
         raise ValidationError({"retryable": ["Only a business_failed outcome carries retryable."]})
+    # A business reference is the business system's name for what it did: a call that
+    # never left the runtime, or that may never have been sent, cannot have one.
+    if body.business_reference and body.kind in NEVER_REACHED_THE_BUSINESS:
+        raise ValidationError(
+            {"business_reference": [f"A {body.kind.value} outcome names no business reference."]}
+        )
     error = _optional(body.error) or ErrorDetail()
     return OutcomeInput(
         invocation_id=invocation_id,

@@ -183,6 +183,22 @@ def test_an_outcome_for_an_unknown_attempt_is_not_found(in_flight: Api) -> None:
             {"error": ["Object contains unknown field `stack` - at `$.error`"]},
         ),
         ({}, {"kind": ["This field is required."]}),
+        (
+            {"kind": "pre_dispatch_rejected", "business_reference": "RF-1"},
+            {
+                "business_reference": [
+                    "A pre_dispatch_rejected outcome names no business reference."
+                ]
+            },
+        ),
+        (
+            {"kind": "dispatch_not_established", "business_reference": "RF-1"},
+            {
+                "business_reference": [
+                    "A dispatch_not_established outcome names no business reference."
+                ]
+            },
+        ),
     ],
 )
 def test_a_bad_outcome_is_refused_by_field_and_changes_nothing(
