@@ -201,12 +201,16 @@ def report_outcome(
     attempt_number: int,
     kind: OutcomeKind,
     retryable: bool = False,
+    *,
+    names_another_effect: bool = False,
 ) -> InvocationState:
     """An outcome from the runtime.
 
     For the in-flight attempt it applies the retry table. Anything else is late
     evidence: it settles an open reconciliation, agrees with what was settled
-    (nothing changes), or contradicts it (escalated, `evidence_conflict`).
+    (nothing changes), or contradicts it (escalated, `evidence_conflict`). An
+    effect that names another business reference than the settled evidence did
+    (`names_another_effect`) contradicts it too: it may be a second effect.
     """
     if state.status is Status.IN_FLIGHT and state.in_flight_attempt == attempt_id:
         status, failure_class, cause = outcome_decision(hints, kind, retryable, state.attempts)
@@ -217,7 +221,9 @@ def report_outcome(
             cause=cause,
             in_flight_attempt=None,
         )
-    return late_outcome(state, hints, attempt_number, kind, retryable)
+    return late_outcome(
+        state, hints, attempt_number, kind, retryable, names_another_effect=names_another_effect
+    )
 
 
 def late_outcome(
@@ -226,6 +232,8 @@ def late_outcome(
     attempt_number: int,
     kind: OutcomeKind,
     retryable: bool,
+    *,
+    names_another_effect: bool = False,
 ) -> InvocationState:
     implied = implied_effect(kind)
     if attempt_number < state.attempts:
@@ -235,6 +243,8 @@ def late_outcome(
     settled = state.resolution or _effect_of_terminal(state)
     if settled is not None:
         if implied is not None and implied is not settled:
+            return _conflict(state)
+        if implied is Effect.PRESENT and names_another_effect:
             return _conflict(state)
         return state
     if implied is not None and (

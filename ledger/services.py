@@ -25,7 +25,15 @@ from django.utils import timezone
 
 from ledger import chain, policy, store
 from ledger.capabilities import approval_needed
-from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Runtime
+from ledger.models import (
+    HAS_BUSINESS_REFERENCE,
+    Attempt,
+    Capability,
+    Event,
+    Invocation,
+    Outcome,
+    Runtime,
+)
 
 log = logging.getLogger(__name__)
 
@@ -548,6 +556,7 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
         attempt.number,
         item.kind,
         item.retryable,
+        names_another_effect=late and _names_another_effect(invocation, item),
     )
     invocation.apply_state(state)
     outcome = Outcome(
@@ -575,6 +584,21 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
         },
     )
     return Applied(invocation, True, typed_state(invocation))
+
+
+def _names_another_effect(invocation: Invocation, item: OutcomeInput) -> bool:
+    """Whether a late success names a business reference that none of the evidence
+    already settling this invocation as an effect names, when that evidence names one:
+    two references for one intent may be two effects. Read only on this rare path."""
+    settled_present = invocation.resolution == policy.Effect.PRESENT.value
+    if not (settled_present and item.business_reference and invocation.pk is not None):
+        return False
+    named = set(
+        Event.objects.filter(HAS_BUSINESS_REFERENCE, invocation_id=invocation.pk).values_list(
+            "data__business_reference", flat=True
+        )
+    )
+    return bool(named) and item.business_reference not in named
 
 
 APPLY = {IntentInput: _apply_intent, AttemptInput: _apply_attempt, OutcomeInput: _apply_outcome}

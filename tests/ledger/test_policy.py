@@ -155,6 +155,23 @@ def test_a_late_outcome_that_agrees_completes_the_evidence() -> None:
     assert late == resolved
 
 
+def test_a_late_success_naming_another_effect_than_the_resolution_escalates() -> None:
+    hints = Hints()
+    flagged = flag_missing_evidence(admit(InvocationState(), hints, "a1"), hints, "a1")
+    resolved = resolve(flagged, hints, Effect.PRESENT)
+    late = report_outcome(
+        resolved, hints, "a1", 1, OutcomeKind.SUCCEEDED, names_another_effect=True
+    )
+    assert (late.status, late.cause) == (Status.ESCALATED, Cause.EVIDENCE_CONFLICT)
+    # Before anything was settled, the runtime's own evidence settles it, as always.
+    assert (
+        report_outcome(
+            flagged, hints, "a1", 1, OutcomeKind.SUCCEEDED, names_another_effect=True
+        ).status
+        is Status.SUCCEEDED
+    )
+
+
 def test_a_late_outcome_settles_an_open_reconciliation() -> None:
     hints = Hints()
     flagged = flag_missing_evidence(admit(InvocationState(), hints, "a1"), hints, "a1")
@@ -222,13 +239,23 @@ class InvocationMachine(RuleBasedStateMachine):
         pick=st.integers(min_value=0, max_value=10),
         kind=st.sampled_from(OutcomeKind),
         retryable=st.booleans(),
+        names_another_effect=st.booleans(),
     )
     @precondition(lambda self: self.attempts)
-    def report(self, pick: int, kind: OutcomeKind, retryable: bool) -> None:
+    def report(
+        self, pick: int, kind: OutcomeKind, retryable: bool, names_another_effect: bool
+    ) -> None:
         number = pick % len(self.attempts) + 1
+        attempt_id = self.attempts[number - 1]
         self.step(
             report_outcome(
-                self.state, self.hints, self.attempts[number - 1], number, kind, retryable
+                self.state,
+                self.hints,
+                attempt_id,
+                number,
+                kind,
+                retryable,
+                names_another_effect=names_another_effect,
             )
         )
 

@@ -301,6 +301,32 @@ def test_a_person_resolves_with_a_note_and_a_reference(api: Api, refunds: Capabi
     assert refused.value.type == "not_reconcilable"
 
 
+@pytest.mark.parametrize(
+    ("reference", "status"),
+    [("RF-77", "succeeded"), ("", "succeeded"), ("RF-78", "escalated")],
+    ids=["the same", "none", "another"],
+)
+def test_a_late_success_is_checked_against_the_reference_a_person_resolved_with(
+    api: Api, refunds: Capability, reference: str, status: str
+) -> None:
+    """The person found RF-77; the runtime's lost outcome arrives naming RF-78: one
+    intent may have had two effects, and a person must look again."""
+    flagged(api)
+    services.invocation_resolve(
+        invocation_id="inv-1",
+        actor="user:ada",
+        effect=policy.Effect.PRESENT,
+        business_reference="RF-77",
+        note="found in the payments console",
+    )
+
+    code, body = api.outcome("inv-1", "a1", kind="succeeded", business_reference=reference)
+
+    assert (code, body["status"]) == (201, status)
+    if status == "escalated":
+        assert (body["cause"], body["flags"]) == ("evidence_conflict", ["evidence_conflict"])
+
+
 def test_a_high_risk_resolution_needs_a_second_person(api: Api, refunds: Capability) -> None:
     Capability.objects.filter(pk=refunds.pk).update(risk_level="high")
     flagged(api)
