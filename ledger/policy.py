@@ -56,6 +56,9 @@ class Cause(StrEnum):
     NO_PROBE = "no_probe"
     PROBE_INCONCLUSIVE = "probe_inconclusive"
     PROPOSAL_REJECTED = "proposal_rejected"
+    # A probe found the effect under a business reference other invocations' evidence
+    # names: only a person may count one effect for this intent too.
+    REFERENCE_SHARED = "reference_shared"
 
 
 class NextAction(StrEnum):

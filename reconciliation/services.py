@@ -21,6 +21,8 @@ from ledger.services import LedgerError, invocation_transition
 from reconciliation.probes import Finding, ProbeResult
 
 FINDING_EFFECT = {Finding.PRESENT: policy.Effect.PRESENT, Finding.ABSENT: policy.Effect.ABSENT}
+# How many of the other invocations naming a reference a refusal and an event list.
+SHARED_NAMED_LIMIT = 10
 
 
 def _refused(refused: policy.Refused) -> LedgerError:
@@ -145,10 +147,15 @@ def record_probe_result(
             try_number=invocation.probe_tries + 1,
         )
         if result.finding in FINDING_EFFECT:
+            invocation.next_probe_at = None
+            others = _also_named_by(invocation, result)
+            if others:
+                data["also_named_by"] = others
+                invocation.apply_state(policy.escalate(state, policy.Cause.REFERENCE_SHARED))
+                return data
             invocation.apply_state(
                 policy.resolve(state, invocation.hints(), FINDING_EFFECT[result.finding])
             )
-            invocation.next_probe_at = None
             return data
         invocation.probe_tries += 1
         if invocation.probe_tries >= settings.LEDGER_PROBE_MAX_TRIES:
@@ -168,6 +175,18 @@ def record_probe_result(
         change=change,
         now=now,
     )
+
+
+def _also_named_by(invocation: Invocation, result: ProbeResult) -> list[str]:
+    """The other invocations whose evidence names the reference a probe found the
+    effect under: as for a person's resolution, one effect is not counted for two
+    intents unasked, and a probe cannot be asked."""
+    if result.finding is not Finding.PRESENT or not result.business_reference:
+        return []
+    others = invocations_naming(
+        result.business_reference, besides=invocation.invocation_id, limit=SHARED_NAMED_LIMIT
+    )
+    return [other.invocation_id for other in others]
 
 
 def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
@@ -191,10 +210,6 @@ def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
         now=now,
     )
     return changed is not None
-
-
-# How many of the other invocations naming a reference a refusal and an event list.
-SHARED_NAMED_LIMIT = 10
 
 
 class SharedReference(LedgerError):

@@ -52,6 +52,33 @@ def test_a_refund_that_happened_is_found_and_the_invocation_succeeds(
     assert standin.refunds.count() == 1
 
 
+def test_a_refund_another_invocation_names_is_handed_to_a_person_to_confirm(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """The business system answers the key with a refund whose id inv-2's outcome
+    already named: the probe cannot tell one effect counted twice from a mistake."""
+    flagged(api)
+    refund = perform_refund(standin, "refund-SO-1").json()
+    api.intent(invocation_id="inv-2", idempotency_key="refund-SO-2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="succeeded", business_reference=refund["id"])
+
+    reconcile_invocation.run("inv-1")
+
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert (invocation.status, invocation.cause) == ("escalated", "reference_shared")
+    probe_run = invocation.events.get(kind="probe_run").data
+    assert (probe_run["finding"], probe_run["also_named_by"]) == ("effect_present", ["inv-2"])
+    services.invocation_resolve(
+        invocation_id="inv-1",
+        actor="user:ada",
+        effect=policy.Effect.PRESENT,
+        business_reference=refund["id"],
+        note="one refund for two orders, as the customer asked",
+        shared_reference_confirmed=True,
+    )
+    assert Invocation.objects.get(invocation_id="inv-1").status == "succeeded"
+
+
 def test_a_refund_that_never_happened_allows_a_retry_under_the_same_key(
     api: Api, refunds: Capability, standin: StandInService
 ) -> None:
