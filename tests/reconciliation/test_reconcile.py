@@ -297,6 +297,16 @@ def test_only_one_claim_holds_and_an_expired_lease_reopens(api: Api, refunds: Ca
     ]
 
 
+def ada_finds_rf_77() -> Invocation:
+    return services.invocation_resolve(
+        invocation_id="inv-1",
+        actor="user:ada",
+        effect=policy.Effect.PRESENT,
+        business_reference="RF-77",
+        note="found in the payments console",
+    )
+
+
 def test_a_person_resolves_with_a_note_and_a_reference(api: Api, refunds: Capability) -> None:
     flagged(api)
     with pytest.raises(LedgerError):
@@ -307,13 +317,7 @@ def test_a_person_resolves_with_a_note_and_a_reference(api: Api, refunds: Capabi
         services.invocation_resolve(
             invocation_id="inv-1", actor="user:ada", effect=policy.Effect.ABSENT, note=" "
         )
-    services.invocation_resolve(
-        invocation_id="inv-1",
-        actor="user:ada",
-        effect=policy.Effect.PRESENT,
-        business_reference="RF-77",
-        note="found in the payments console",
-    )
+    ada_finds_rf_77()
     invocation = Invocation.objects.get()
     assert invocation.status == "succeeded"
     resolution = invocation.events.get(kind="resolution")
@@ -339,13 +343,7 @@ def test_a_late_success_is_checked_against_the_reference_a_person_resolved_with(
     """The person found RF-77; the runtime's lost outcome arrives naming RF-78: one
     intent may have had two effects, and a person must look again."""
     flagged(api)
-    services.invocation_resolve(
-        invocation_id="inv-1",
-        actor="user:ada",
-        effect=policy.Effect.PRESENT,
-        business_reference="RF-77",
-        note="found in the payments console",
-    )
+    ada_finds_rf_77()
 
     code, body = api.outcome("inv-1", "a1", kind="succeeded", business_reference=reference)
 
