@@ -99,3 +99,32 @@ def test_the_queue_keeps_a_claimed_invocation_in_its_place(api: Api, refund: Cap
     assert queue.index("/invocations/first/") < queue.index("/invocations/second/")
     page = client.get("/invocations/first/").content.decode()
     assert "waiting for" in page
+
+
+def test_the_first_minute_of_a_wait_reads_under_a_minute() -> None:
+    from django.utils import timezone
+
+    from reconciliation.templatetags.console import waited
+
+    now = timezone.now()
+    assert waited(now - dt.timedelta(seconds=20)) == "under a minute"
+    assert waited(now - dt.timedelta(minutes=5, seconds=10)) == "5\xa0minutes"
+    assert waited(None) == ""
+
+
+def test_the_queue_says_how_long_each_invocation_has_waited(api: Api, refund: Capability) -> None:
+    flagged_at_deadline(api, "fresh")
+    flagged_at_deadline(api, "old")
+    Invocation.objects.filter(invocation_id="old").update(
+        flagged_at=dt.datetime.now(dt.UTC) - dt.timedelta(hours=2, minutes=3)
+    )
+    operator = User.objects.create_user("olga")
+    operator.groups.add(Group.objects.get_or_create(name="operator")[0])
+    client = Client()
+    client.force_login(operator)
+
+    rows = client.get("/").content.decode().split('<tr class="')[1:]
+
+    waits = {row.split("/invocations/")[1].split("/")[0]: row for row in rows}
+    assert "under a minute</time>" in waits["fresh"]
+    assert "2\xa0hours, 3\xa0minutes</time>" in waits["old"]
