@@ -42,6 +42,9 @@ class Flag(StrEnum):
     UNDECLARED = "undeclared"
     APPROVAL_MISSING = "approval_missing"
     EVIDENCE_CONFLICT = "evidence_conflict"
+    # Its evidence names a business reference other invocations' evidence names: one
+    # effect counted for two intents, or a mistyped reference.
+    REFERENCE_SHARED = "reference_shared"
 
 
 class Cause(StrEnum):
@@ -341,6 +344,11 @@ def release(state: InvocationState) -> InvocationState:
     if state.status is not Status.RECONCILING:
         raise Refused("not_reconciling", f"the invocation is {state.status.value}")
     return replace(state, status=Status.RECONCILIATION_REQUIRED)
+
+
+def with_flag(state: InvocationState, flag: Flag) -> InvocationState:
+    """The same state, with something more for compliance to see."""
+    return replace(state, flags=state.flags | {flag})
 
 
 def escalate(state: InvocationState, cause: Cause) -> InvocationState:

@@ -163,6 +163,9 @@ class _Work:
     dirty: dict[str, Invocation] = field(default_factory=dict)
     read_event_count: dict[str, int] = field(default_factory=dict)
     unchanged_capabilities: list[store.KnownCapability] = field(default_factory=list)
+    # Business reference -> the invocations whose evidence names it, as read, and as
+    # this unit's own successes add to it.
+    named_by: dict[str, set[str]] = field(default_factory=dict)
 
     # Loading ---------------------------------------------------------------
 
@@ -172,11 +175,22 @@ class _Work:
             ids={item.invocation_id for item in items},
             scopes={item.capability for item in intents},
             keys={item.idempotency_key for item in intents},
+            references={_effect_reference(item) for item in items} - {""},
         )
 
-    def load(self, *, ids: set[str], scopes: set[str] = set(), keys: set[str] = set()) -> None:  # noqa: B006
-        loaded = store.load(ids=ids, scopes=scopes, keys=keys, confirm_token=self._token())
+    def load(
+        self,
+        *,
+        ids: set[str],
+        scopes: set[str] = set(),  # noqa: B006
+        keys: set[str] = set(),  # noqa: B006
+        references: set[str] = set(),  # noqa: B006
+    ) -> None:
+        loaded = store.load(
+            ids=ids, scopes=scopes, keys=keys, references=references, confirm_token=self._token()
+        )
         self._token_confirmed()
+        self.named_by = {reference: set(named) for reference, named in loaded.named_by.items()}
         found = {capability.scope: capability for capability in loaded.capabilities}
         self.capabilities = {scope: found.get(scope) for scope in scopes}
         for invocation, attempts in loaded.invocations:
@@ -215,6 +229,16 @@ class _Work:
             data__claimed=claim,
         )
         return kept.exists()
+
+    def also_naming(self, invocation: Invocation, reference: str) -> list[str]:
+        """The other invocations whose evidence names the reference this invocation's
+        success names, sorted; the reference is then named by this one too."""
+        if not reference:
+            return []
+        named = self.named_by.setdefault(reference, set())
+        others = sorted(named - {invocation.invocation_id})
+        named.add(invocation.invocation_id)
+        return others
 
     def _remember(self, invocation: Invocation) -> None:
         self.invocations[invocation.invocation_id] = invocation
@@ -558,6 +582,9 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
         item.retryable,
         names_another_effect=late and _names_another_effect(invocation, item),
     )
+    also_named_by = work.also_naming(invocation, _effect_reference(item))
+    if also_named_by:
+        state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
     invocation.apply_state(state)
     outcome = Outcome(
         kind=item.kind.value,
@@ -581,9 +608,17 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
             **claim,
             "error_message": item.error_message,
             "completed_at": item.completed_at.isoformat() if item.completed_at else None,
+            **({"also_named_by": also_named_by} if also_named_by else {}),
         },
     )
     return Applied(invocation, True, typed_state(invocation))
+
+
+def _effect_reference(item: EvidenceInput) -> str:
+    """The business reference a success names: the effect's name in the business."""
+    if isinstance(item, OutcomeInput) and item.kind is policy.OutcomeKind.SUCCEEDED:
+        return item.business_reference
+    return ""
 
 
 def _names_another_effect(invocation: Invocation, item: OutcomeInput) -> bool:

@@ -151,7 +151,8 @@ def record_probe_result(
             others = _also_named_by(invocation, result)
             if others:
                 data["also_named_by"] = others
-                invocation.apply_state(policy.escalate(state, policy.Cause.REFERENCE_SHARED))
+                shared = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
+                invocation.apply_state(policy.escalate(shared, policy.Cause.REFERENCE_SHARED))
                 return data
             invocation.apply_state(
                 policy.resolve(state, invocation.hints(), FINDING_EFFECT[result.finding])
@@ -266,6 +267,7 @@ def invocation_resolve(
                 raise SharedReference([other.invocation_id for other in others])
             if others:
                 data["also_named_by"] = [other.invocation_id for other in others]
+                state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
         try:
             if invocation.risk_level == "high":
                 invocation.apply_state(policy.propose(state))

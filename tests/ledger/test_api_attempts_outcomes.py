@@ -138,6 +138,49 @@ def test_one_batch_sending_a_conflicting_claim_twice_keeps_it_once(in_flight: Ap
     assert Event.objects.filter(kind="outcome_conflict").count() == 1
 
 
+def test_a_success_naming_another_invocations_reference_is_flagged(
+    api: Api, refund: Capability, api_b: Api
+) -> None:
+    """Two intents, one refund: the second to name it is flagged for compliance and
+    its event names the first, whichever runtime recorded it. Nothing is refused."""
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    api_b.intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
+
+    status, body = api_b.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")
+    replayed = api_b.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")
+
+    assert (status, body["status"], body["flags"]) == (201, "succeeded", ["reference_shared"])
+    assert replayed == (200, body)
+    second = Event.objects.get(invocation__invocation_id="inv-2", kind="outcome_recorded")
+    assert second.data["also_named_by"] == ["inv-1"]
+    assert Invocation.objects.get(invocation_id="inv-1").flags == []
+
+
+def test_a_reference_named_twice_in_one_batch_flags_the_second(
+    api: Api, refund: Capability
+) -> None:
+    items = [
+        {"type": "intent", "invocation_id": name, "task_id": "t", "capability": "refund.create",
+         "arguments": {}, "idempotency_key": name, "attempt_id": "a1"}
+        for name in ("inv-a", "inv-b", "inv-c")
+    ] + [
+        {"type": "outcome", "invocation_id": name, "attempt_id": "a1", "kind": kind,
+         "business_reference": reference}
+        for name, kind, reference in (
+            ("inv-a", "succeeded", "RF-9"),
+            ("inv-b", "succeeded", "RF-9"),
+            ("inv-c", "business_failed", "RF-9"),  # a rejection's id names no effect
+        )
+    ]  # fmt: skip
+
+    status, body = api.post("/api/v1/evidence", items)
+
+    assert status == 207
+    flags = [result["body"]["flags"] for result in body["results"][3:]]
+    assert flags == [[], ["reference_shared"], []]
+
+
 def test_a_result_is_digested_and_masked(in_flight: Api) -> None:
     result = {"refund_id": "RF-1", "token": "tok_live"}
     in_flight.outcome("inv-1", "a1", kind="succeeded", result=result)

@@ -592,7 +592,7 @@ def test_a_confirmed_shared_reference_resolves_and_is_recorded(
     resolve_with(operator, "RF-981", same_reference_confirmed="on")
 
     invocation = Invocation.objects.get(invocation_id="inv-1")
-    assert invocation.status == "succeeded"
+    assert (invocation.status, invocation.flags) == ("succeeded", ["reference_shared"])
     assert invocation.events.get(kind="resolution").data["also_named_by"] == ["inv-2"]
     section = references_section(operator.get("/invocations/inv-1/").content)
     assert "named by the resolution" in section
@@ -606,7 +606,7 @@ def test_a_reference_no_other_invocation_names_needs_no_confirmation(
     resolve_with(operator, "RF-982")
 
     invocation = Invocation.objects.get(invocation_id="inv-1")
-    assert invocation.status == "succeeded"
+    assert (invocation.status, invocation.flags) == ("succeeded", [])
     assert "also_named_by" not in invocation.events.get(kind="resolution").data
 
 

@@ -66,6 +66,7 @@ def test_a_refund_another_invocation_names_is_handed_to_a_person_to_confirm(
 
     invocation = Invocation.objects.get(invocation_id="inv-1")
     assert (invocation.status, invocation.cause) == ("escalated", "reference_shared")
+    assert invocation.flags == ["reference_shared"]
     probe_run = invocation.events.get(kind="probe_run").data
     assert (probe_run["finding"], probe_run["also_named_by"]) == ("effect_present", ["inv-2"])
     services.invocation_resolve(
@@ -350,6 +351,8 @@ def test_a_late_success_is_checked_against_the_reference_a_person_resolved_with(
     assert (code, body["status"]) == (201, status)
     if status == "escalated":
         assert (body["cause"], body["flags"]) == ("evidence_conflict", ["evidence_conflict"])
+    else:  # the person named it for this very invocation: not shared
+        assert body["flags"] == []
 
 
 def test_a_high_risk_resolution_needs_a_second_person(api: Api, refunds: Capability) -> None:
