@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import pytest
 
@@ -160,7 +161,7 @@ def test_a_success_naming_another_invocations_reference_is_flagged(
 def test_a_reference_named_twice_in_one_batch_flags_the_second(
     api: Api, refund: Capability
 ) -> None:
-    items = [
+    items: list[dict[str, Any]] = [
         {"type": "intent", "invocation_id": name, "task_id": "t", "capability": "refund.create",
          "arguments": {}, "idempotency_key": name, "attempt_id": "a1"}
         for name in ("inv-a", "inv-b", "inv-c")
