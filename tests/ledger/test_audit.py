@@ -85,6 +85,7 @@ def sql_ids(where: str, *params: str) -> set[str]:
         ({"status": "reconciliation_required"}, "status = %s", ("reconciliation_required",)),
         ({"cause": "evidence_missing"}, "cause = %s", ("evidence_missing",)),
         ({"flag": "undeclared"}, "%s = ANY(flags)", ("undeclared",)),
+        ({"flag": "reference_shared"}, "%s = ANY(flags)", ("reference_shared",)),
         ({"operator": "olga"},
          "EXISTS (SELECT 1 FROM ledger_event e WHERE e.invocation_id = i.id AND e.actor = %s)",
          ("user:olga",)),
