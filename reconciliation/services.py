@@ -148,7 +148,8 @@ def record_probe_result(
         )
         if result.finding in FINDING_EFFECT:
             invocation.next_probe_at = None
-            others = _also_named_by(invocation, result)
+            found_under = result.business_reference if result.finding is Finding.PRESENT else ""
+            others = _others_naming(invocation, found_under)
             if others:
                 data["also_named_by"] = others
                 shared = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
@@ -178,14 +179,14 @@ def record_probe_result(
     )
 
 
-def _also_named_by(invocation: Invocation, result: ProbeResult) -> list[str]:
-    """The other invocations whose evidence names the reference a probe found the
-    effect under: as for a person's resolution, one effect is not counted for two
-    intents unasked, and a probe cannot be asked."""
-    if result.finding is not Finding.PRESENT or not result.business_reference:
+def _others_naming(invocation: Invocation, reference: str) -> list[str]:
+    """The other invocations whose evidence names the reference an effect was found
+    under. One effect is never counted for two intents unasked: a person must confirm
+    it, and a probe, which cannot be asked, hands the invocation to a person."""
+    if not reference:
         return []
     others = invocations_naming(
-        result.business_reference, besides=invocation.invocation_id, limit=SHARED_NAMED_LIMIT
+        reference, besides=invocation.invocation_id, limit=SHARED_NAMED_LIMIT
     )
     return [other.invocation_id for other in others]
 
@@ -260,13 +261,11 @@ def invocation_resolve(
             "note": note,
         }
         if effect is policy.Effect.PRESENT:
-            others = invocations_naming(
-                business_reference, besides=invocation.invocation_id, limit=SHARED_NAMED_LIMIT
-            )
+            others = _others_naming(invocation, business_reference)
             if others and not shared_reference_confirmed:
-                raise SharedReference([other.invocation_id for other in others])
+                raise SharedReference(others)
             if others:
-                data["also_named_by"] = [other.invocation_id for other in others]
+                data["also_named_by"] = others
                 state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
         try:
             if invocation.risk_level == "high":

@@ -113,11 +113,11 @@ def test_the_first_minute_of_a_wait_reads_under_a_minute() -> None:
 
 
 def test_the_queue_says_how_long_each_invocation_has_waited(api: Api, refund: Capability) -> None:
-    flagged_at_deadline(api, "fresh")
-    flagged_at_deadline(api, "old")
-    Invocation.objects.filter(invocation_id="old").update(
-        flagged_at=dt.datetime.now(dt.UTC) - dt.timedelta(hours=2, minutes=3)
-    )
+    now = dt.datetime.now(dt.UTC)
+    for invocation_id, waited_for in (("fresh", dt.timedelta(seconds=20)),
+                                      ("old", dt.timedelta(hours=2, minutes=3))):  # fmt: skip
+        flagged_at_deadline(api, invocation_id)
+        Invocation.objects.filter(invocation_id=invocation_id).update(flagged_at=now - waited_for)
     operator = User.objects.create_user("olga")
     operator.groups.add(Group.objects.get_or_create(name="operator")[0])
     client = Client()
