@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import datetime as dt
+from dataclasses import dataclass
 from typing import Any
 
 from django import forms
@@ -8,6 +10,42 @@ from ledger import policy
 from ledger.models import Capability
 
 TEN_YEARS_IN_MINUTES = 10 * 366 * 24 * 60
+# The queue's order, riskiest first; an unknown risk level counts as the lowest.
+RISK_RANK: dict[str, int] = {
+    Capability.Risk.HIGH: 0,
+    Capability.Risk.MEDIUM: 1,
+    Capability.Risk.LOW: 2,
+}
+MAX_RISK_RANK = max(RISK_RANK.values())
+MAX_BIGINT = 2**63 - 1
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class QueuePosition:
+    """Where a queue page ended, in the queue's own order; written as
+    "rank-microseconds-id" so that it stays URL-safe."""
+
+    risk_rank: int
+    flagged_at: dt.datetime
+    pk: int
+
+    @classmethod
+    def parse(cls, value: str) -> QueuePosition:
+        parts = value.split("-")
+        if len(parts) != 3 or not all(part.isdigit() for part in parts):
+            raise ValueError(value)
+        rank, micros, pk = (int(part) for part in parts)
+        if rank > MAX_RISK_RANK or pk > MAX_BIGINT:
+            raise ValueError(value)
+        try:
+            return cls(rank, EPOCH + dt.timedelta(microseconds=micros), pk)
+        except OverflowError:
+            raise ValueError(value) from None
+
+    def __str__(self) -> str:
+        micros = (self.flagged_at - EPOCH) // dt.timedelta(microseconds=1)
+        return f"{self.risk_rank}-{micros}-{self.pk}"
 
 
 class QueueFilterForm(forms.Form):
@@ -25,6 +63,18 @@ class QueueFilterForm(forms.Form):
         required=False,
         choices=[("", "everyone's"), ("mine", "claimed by me"), ("unclaimed", "unclaimed")],
     )
+    # Set by the queue's "next page" link, never by the filter form itself: changing
+    # a filter starts again from the riskiest, oldest invocation.
+    after = forms.CharField(required=False, widget=forms.HiddenInput)
+
+    def clean_after(self) -> QueuePosition | None:
+        value = self.cleaned_data["after"]
+        if not value:
+            return None
+        try:
+            return QueuePosition.parse(value)
+        except ValueError:
+            raise forms.ValidationError("not a page cursor from this queue") from None
 
 
 class ActionForm(forms.Form):

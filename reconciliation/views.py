@@ -29,7 +29,14 @@ from ledger.models import Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
 from ledger.services import LedgerError, event_body
 from reconciliation import services
-from reconciliation.forms import DecisionForm, QueueFilterForm, ResolveForm
+from reconciliation.forms import (
+    MAX_RISK_RANK,
+    RISK_RANK,
+    DecisionForm,
+    QueueFilterForm,
+    QueuePosition,
+    ResolveForm,
+)
 from reconciliation.tasks import reconcile_invocation
 
 FLAGGED = sorted(s.value for s in policy.NEEDS_RECONCILIATION)
@@ -44,20 +51,36 @@ def actor(request: HttpRequest) -> str:
 # The queue --------------------------------------------------------------------
 
 
-QUEUE_LIMIT = 500
-RISK_FIRST = Case(When(risk_level="high", then=0), When(risk_level="medium", then=1), default=2)
+QUEUE_PAGE = 100
+RISK_FIRST = Case(
+    *[When(risk_level=level, then=rank) for level, rank in RISK_RANK.items()],
+    default=MAX_RISK_RANK,
+)
+
+
+def queue_position(invocation: Invocation) -> QueuePosition:
+    """Where this row stands in the queue's order, for the next page to start after."""
+    assert invocation.flagged_at is not None, "a flagged invocation is timed by its event"
+    rank = RISK_RANK.get(invocation.risk_level, MAX_RISK_RANK)
+    return QueuePosition(rank, invocation.flagged_at, invocation.pk)
 
 
 def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
-    """The flagged invocations the filter selects, riskiest first, then oldest; at
-    most QUEUE_LIMIT + 1 of them, the extra one only to tell that there are more.
+    """The flagged invocations the filter selects, riskiest first, then oldest, from
+    where the last page ended; at most QUEUE_PAGE + 1 of them, the extra one only to
+    tell that there is a next page.
 
     A filter that does not parse selects nothing and is shown as an error, as in the
     audit search: an operator must never take the whole queue for a filtered one.
     """
     if form.is_bound and not form.is_valid():
         return []
-    rows = Invocation.objects.flagged().select_related("runtime")
+    rows = (
+        Invocation.objects.flagged()
+        .select_related("runtime")
+        .annotate(risk_rank=RISK_FIRST)
+        .order_by("risk_rank", "flagged_at", "id")
+    )
     if form.is_bound:
         data = form.cleaned_data
         if data["capability"]:
@@ -75,10 +98,18 @@ def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
             rows = rows.filter(assignee=user.get_username())
         elif data["mine"] == "unclaimed":
             rows = rows.filter(assignee="")
+        if after := data["after"]:
+            # Keyset, not OFFSET: an invocation resolved while the operator reads a
+            # page neither hides nor repeats one on the next.
+            rank, at = after.risk_rank, after.flagged_at
+            rows = rows.filter(
+                Q(risk_rank__gt=rank)
+                | Q(risk_rank=rank, flagged_at__gt=at)
+                | Q(risk_rank=rank, flagged_at=at, pk__gt=after.pk)
+            )
     # Sorted in SQL before the limit: a high-risk invocation must never be cut off
     # behind hundreds of older low-risk ones.
-    rows = rows.alias(risk_first=RISK_FIRST).order_by("risk_first", "flagged_at", "id")
-    return list(rows[: QUEUE_LIMIT + 1])
+    return list(rows[: QUEUE_PAGE + 1])
 
 
 def status_counts() -> dict[str, int]:
@@ -93,11 +124,18 @@ def status_counts() -> dict[str, int]:
 def queue(request: HttpRequest) -> HttpResponse:
     form = QueueFilterForm(request.GET or None)
     rows = queue_rows(form, request.user)
+    next_query = None
+    if len(rows) > QUEUE_PAGE:
+        query = request.GET.copy()
+        query["after"] = str(queue_position(rows[QUEUE_PAGE - 1]))
+        next_query = query.urlencode()
+    first_query = request.GET.copy()
+    first_query.pop("after", None)
     context = {
         "form": form,
-        "rows": rows[:QUEUE_LIMIT],
-        "more": len(rows) > QUEUE_LIMIT,
-        "limit": QUEUE_LIMIT,
+        "rows": rows[:QUEUE_PAGE],
+        "next_query": next_query,
+        "first_query": first_query.urlencode() if "after" in request.GET else None,
         "counts": status_counts(),
     }
     return render(request, fragment(request, "reconciliation/queue.html", "queue-rows"), context)

@@ -106,6 +106,35 @@ def test_an_operator_filters_opens_resolves_and_the_item_leaves_the_queue(
 
 
 @pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
+def test_an_operator_pages_through_the_queue_and_back(
+    browser: Browser,
+    live_server: Any,
+    flagged: None,
+    javascript: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from reconciliation import views
+
+    monkeypatch.setattr(views, "QUEUE_PAGE", 1)  # the live server runs in this process
+    user("olga", "operator")
+    page = log_in(browser, live_server.url, "olga", javascript)
+    rows = page.locator("#queue-rows tbody tr")
+    expect(rows).to_have_count(1)
+    expect(rows).to_contain_text("inv-2")  # high risk first
+    if javascript:
+        page.evaluate("window.sameDocument = true")
+    page.click("text=Next page")
+    expect(page).to_have_url(re.compile(r"after=\d+-\d+-\d+"))
+    expect(rows).to_contain_text("inv-1")
+    expect(page.locator("#queue-rows")).not_to_contain_text("Next page")
+    page.click("text=First page")
+    expect(rows).to_contain_text("inv-2")
+    expect(page).not_to_have_url(re.compile("after="))
+    # With JavaScript htmx swapped the rows in place; without it each was a page load.
+    assert page.evaluate("window.sameDocument === true") is javascript
+
+
+@pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
 def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
     browser: Browser, live_server: Any, flagged: None, javascript: bool
 ) -> None:

@@ -211,35 +211,76 @@ def test_the_queue_and_the_invocation_page_keep_their_query_counts(
     assert len(detail) <= 8, [q["sql"][:80] for q in detail]
 
 
-def test_a_risky_invocation_is_never_cut_off_behind_older_safer_ones(
+def queue_page(operator: Client, query: str = "", **headers: str) -> tuple[list[str], str | None]:
+    """The invocation ids a queue page lists, in order, and its next page's query."""
+    page = operator.get(f"/?{query}", headers=headers).content.decode()
+    rows = page.split('id="queue-rows"')[1]
+    listed = re.findall(r'href="/invocations/([^/]+)/"', rows)
+    following = re.search(r'href="/\?([^"]*)"[^>]*>Next page<', rows)
+    return listed, following and following[1].replace("&amp;", "&")
+
+
+def test_the_queue_pages_riskiest_first_and_never_cuts_a_risky_one_off(
     api: Api, refund: Capability, operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from reconciliation import views
 
-    monkeypatch.setattr(views, "QUEUE_LIMIT", 3)
+    monkeypatch.setattr(views, "QUEUE_PAGE", 3)
     Capability.objects.create(scope="note.add", risk_level="low")
     items = [
         {"type": "intent", "invocation_id": f"{scope}-{n}", "task_id": "t", "capability": scope,
          "subject": f"customer-{n}", "arguments": {}, "idempotency_key": f"k-{n}",
          "attempt_id": "a1"}
-        for scope, count in (("note.add", 4), ("refund.create", 1)) for n in range(count)
+        for scope, count in (("note.add", 5), ("refund.create", 1)) for n in range(count)
     ]  # fmt: skip
     api.post("/api/v1/evidence", items)
     deadline = Invocation.objects.get(invocation_id="refund.create-0").deadline_at
     assert deadline is not None
-    for n in range(4):  # the low-risk ones are flagged first, so they are the oldest
+    for n in (0, 1, 2, 3):  # the low-risk ones are flagged first, so they are the oldest
         flag_missing_evidence(invocation_id=f"note.add-{n}", now=deadline)
     flag_missing_evidence(invocation_id="refund.create-0", now=deadline + dt.timedelta(minutes=5))
+    flag_missing_evidence(invocation_id="note.add-4", now=deadline + dt.timedelta(minutes=6))
 
-    page = operator.get("/").content.decode()
-    rows = re.findall(r'href="/invocations/([^/]+)/"', page.split('id="queue-rows"')[1])
-    assert rows == ["refund.create-0", "note.add-0", "note.add-1"]
-    assert "<td>customer-0</td>" in page
-    assert "more are waiting" in page
-    narrowed = operator.get("/", {"risk": "low", "older_than_minutes": ""}).content.decode()
-    assert "more are waiting" in narrowed  # four low-risk ones, three shown
-    one = operator.get("/", {"capability": "refund.create"}).content.decode()
-    assert "more are waiting" not in one
+    first, following = queue_page(operator)
+    assert first == ["refund.create-0", "note.add-0", "note.add-1"]
+    assert "<td>customer-0</td>" in operator.get("/").content.decode()
+    assert following is not None and "after=" in following
+
+    # Resolved while the first page was being read: the next page neither repeats a
+    # row nor skips one, as an offset would.
+    read = Invocation.objects.get(invocation_id="note.add-0")
+    operator.post(
+        "/invocations/note.add-0/resolve",
+        {"effect": "effect_absent", "note": "no such note", "seen_event_count": read.event_count},
+    )
+    assert Invocation.objects.get(invocation_id="note.add-0").status == "retry_allowed"
+    second, last = queue_page(operator, following)
+    assert second == ["note.add-2", "note.add-3", "note.add-4"]
+    assert last is None
+    # The htmx link swaps in the rows alone, with a way back to the first page.
+    fragment = operator.get(f"/?{following}", headers={"HX-Request": "true"}).content.decode()
+    assert fragment.lstrip().startswith('<section id="queue-rows">')
+    assert ">First page<" in fragment and "<h1>" not in fragment
+
+    # A filter's pages keep the filter.
+    low, low_next = queue_page(operator, "risk=low")
+    assert low == ["note.add-1", "note.add-2", "note.add-3"]
+    assert low_next is not None and "risk=low" in low_next
+    assert queue_page(operator, low_next) == (["note.add-4"], None)
+    assert queue_page(operator, "capability=refund.create") == (["refund.create-0"], None)
+
+
+@pytest.mark.parametrize(
+    "after", ["yesterday", "0-1", "3-0-1", "0-99999999999999999999999-1", f"0-0-{2**63}", "0-0-"]
+)
+def test_a_page_cursor_not_from_the_queue_is_refused_by_name(
+    flagged: str, operator: Client, after: str
+) -> None:
+    response = operator.get("/", {"after": after})
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert "not a page cursor from this queue" in page
+    assert "/invocations/inv-1/" not in page
 
 
 def test_login_attempts_are_throttled(db: None, client: Client) -> None:
