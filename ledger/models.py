@@ -420,6 +420,25 @@ class Outcome(models.Model):
 HAS_BUSINESS_REFERENCE = Q(data__business_reference__gt="")
 
 
+class NamedReference(models.Model):
+    """A business reference some invocation's evidence names, with the first to name it.
+
+    The events say who names a reference; this row is where two units naming a new
+    one at the same moment meet. Each inserts it; the second insert waits for the
+    first unit to commit, finds the row there and fails its write, so that unit reads
+    again and sees the other invocation. Without it both would read "named by no
+    one", and one effect would be counted for two intents unflagged (store.write).
+    """
+
+    reference = models.TextField(primary_key=True)
+    first_named_by = models.ForeignKey(
+        Invocation, on_delete=models.PROTECT, related_name="+", db_index=False
+    )
+
+    def __str__(self) -> str:
+        return self.reference
+
+
 class Event(models.Model):
     """An append-only fact, hash-chained per invocation.
 

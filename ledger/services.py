@@ -166,6 +166,9 @@ class _Work:
     # Business reference -> the invocations whose evidence names it, as read, and as
     # this unit's own successes add to it.
     named_by: dict[str, set[str]] = field(default_factory=dict)
+    # The references that no invocation's evidence named when this unit read them.
+    # The write claims each one this unit names (store.Writes.new_references).
+    unnamed: set[str] = field(default_factory=set)
 
     # Loading ---------------------------------------------------------------
 
@@ -175,7 +178,8 @@ class _Work:
             ids={item.invocation_id for item in items},
             scopes={item.capability for item in intents},
             keys={item.idempotency_key for item in intents},
-            references={_effect_reference(item) for item in items} - {""},
+            references={item.business_reference for item in items if isinstance(item, OutcomeInput)}
+            - {""},
         )
 
     def load(
@@ -190,7 +194,7 @@ class _Work:
             ids=ids, scopes=scopes, keys=keys, references=references, confirm_token=self._token()
         )
         self._token_confirmed()
-        self.named_by = {reference: set(named) for reference, named in loaded.named_by.items()}
+        self._read_named(loaded.named_by)
         found = {capability.scope: capability for capability in loaded.capabilities}
         self.capabilities = {scope: found.get(scope) for scope in scopes}
         for invocation, attempts in loaded.invocations:
@@ -200,6 +204,12 @@ class _Work:
                 self.attempts[invocation.invocation_id][attempt.attempt_id] = attempt
                 if outcome is not None:
                     self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
+
+    def _read_named(self, named_by: dict[str, list[str]]) -> None:
+        for reference, named in named_by.items():
+            self.named_by[reference] = set(named)
+            if not named:
+                self.unnamed.add(reference)
 
     def assume_new(self, known: dict[str, store.KnownCapability]) -> None:
         """Read nothing: every intent is taken as new, under capabilities remembered.
@@ -282,6 +292,7 @@ class _Work:
     def flush(self) -> None:
         if not (self.new_invocations or self.dirty):
             return
+        new_references = self._new_references()
         store.write(
             store.Writes(
                 new_invocations=self.new_invocations,
@@ -292,11 +303,31 @@ class _Work:
                 new_attempts=self.new_attempts,
                 new_outcomes=self.new_outcomes,
                 new_events=self.new_events,
+                new_references=new_references,
                 unchanged_capabilities=self.unchanged_capabilities,
                 confirm_token=self._token(),
             )
         )
         self._token_confirmed()
+
+    def _new_references(self) -> list[tuple[str, str]]:
+        """The references this unit's events name that no one named when read, each
+        with the first invocation here to name it, in the references' order.
+
+        A reference the unit did not read (a probe's finding, a person's resolution)
+        is read now: the rare paths pay that query, not the hot one.
+        """
+        first: dict[str, str] = {}
+        for event, owner in self.new_events:
+            reference = event.data.get("business_reference")
+            if reference and isinstance(reference, str):
+                first.setdefault(reference, owner)
+        unread = first.keys() - self.named_by.keys()
+        if unread:
+            self._read_named(store.load(ids=(), scopes=(), keys=(), references=unread).named_by)
+        return sorted(
+            (reference, owner) for reference, owner in first.items() if reference in self.unnamed
+        )
 
     def _token(self) -> int | None:
         """The runtime's token, if it still has to be confirmed by a statement."""

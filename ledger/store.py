@@ -18,7 +18,10 @@ directly (the rest of the project uses the ORM):
   request won a race, and `ledger_assert_written` raises so that the whole
   statement rolls back and the caller reloads and applies its items again. New
   intents under capabilities already read (`known_capabilities`) skip `load`; their
-  write also checks that each capability row still reads as remembered.
+  write also checks that each capability row still reads as remembered. A
+  business reference that no one named when the unit read it is inserted into
+  ledger_namedreference; if another unit named it meanwhile, that insert waits for
+  it, inserts nothing and the race is lost the same way.
 
 Rows travel as one JSON array per table, turned back into rows of the table's own
 type by `jsonb_populate_record`, so the statement does not change with the number
@@ -147,6 +150,7 @@ def write_sql(
     updates: bool,
     new_attempts: bool,
     new_outcomes: bool,
+    new_references: bool = False,
     checks_capabilities: bool = False,
     checks_token: bool = False,
 ) -> str:
@@ -225,6 +229,18 @@ new_event AS (
   SELECT t.id, {_columns(EVENT_FIELDS, "v.")}
   FROM {_rows("ledger_event", rows_of("new_event"))}
   JOIN touched t ON t.invocation_id = r.j ->> 'owner'
+  RETURNING 1
+)""")
+    if new_references:
+        # The first to name a reference inserts it; a unit naming it at the same moment
+        # waits here for that one to commit, then inserts nothing and so loses the race.
+        parts.append(f"""
+new_reference AS (
+  INSERT INTO ledger_namedreference (reference, first_named_by_id)
+  SELECT r.j ->> 'reference', t.id
+  FROM jsonb_array_elements({rows_of("new_reference")}::jsonb) AS r(j)
+  JOIN touched t ON t.invocation_id = r.j ->> 'owner'
+  ON CONFLICT DO NOTHING
   RETURNING 1
 )""")
     if checks_capabilities:
@@ -538,6 +554,9 @@ class Writes:
     new_attempts: list[NewAttempt]
     new_outcomes: list[tuple[Outcome, str, str, int | None]]  # owner, attempt_id, attempt pk
     new_events: list[tuple[NewEvent, str]]  # owner invocation_id
+    # (reference, owner invocation_id): references the events name that no one had
+    # named when the unit read them. The write fails (RaceLost) if one is named now.
+    new_references: list[tuple[str, str]] = field(default_factory=list)
     # Remembered capabilities the unit relied on: the write fails unless they still
     # read the same.
     unchanged_capabilities: list[KnownCapability] = field(default_factory=list)
@@ -553,6 +572,7 @@ def write(writes: Writes) -> None:
         bool(writes.updated),
         bool(writes.new_attempts),
         bool(writes.new_outcomes),
+        bool(writes.new_references),
         bool(writes.unchanged_capabilities),
         writes.confirm_token is not None,
     )
@@ -573,6 +593,8 @@ def write(writes: Writes) -> None:
             for o, owner, attempt_id, attempt_pk in writes.new_outcomes
         ])  # fmt: skip
     rows.append([{"owner": owner, **_record(e, EVENT_FIELDS)} for e, owner in writes.new_events])
+    if writes.new_references:
+        rows.append([{"reference": r, "owner": owner} for r, owner in writes.new_references])
     if writes.unchanged_capabilities:
         rows.append([
             {"scope": known.capability.scope, "fingerprint": known.fingerprint}

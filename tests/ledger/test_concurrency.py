@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection
 from django.test import Client
 
+from ledger import policy
 from ledger.models import Attempt, Capability, Event, Invocation, Runtime, RuntimeToken
 from tests.conftest import Api
 
@@ -140,3 +144,115 @@ def test_sixty_transitions_of_one_invocation_at_once_are_all_recorded(
     invocation = Invocation.objects.get()
     assert invocation.event_count == 2 + 60
     assert sorted(e.data["n"] for e in invocation.events.filter(kind="note")) == list(range(60))
+
+
+@contextmanager
+def event_inserts_held() -> Iterator[Callable[[int], None]]:
+    """Another connection holds the event table against inserts (reads go on) until
+    the block ends; the callable waits until that many statements are waiting."""
+    holder = psycopg.connect(**connection.get_connection_params())
+    holder.execute("LOCK TABLE ledger_event IN SHARE MODE")
+
+    def wait_for_waiters(count: int) -> None:
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        for _ in range(500):
+            row = holder.execute(waiting).fetchone()
+            if row is not None and row[0] >= count:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"{count} statements never came to wait")
+
+    try:
+        yield wait_for_waiters
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_two_successes_naming_one_reference_at_once_flag_one_of_them(
+    runtime_api: Callable[[], Api],
+) -> None:
+    """Both read who names RF-7 before either has written: neither sees the other. The
+    later writer must still find out, or one refund is counted for two intents unflagged."""
+    for n in (1, 2):
+        runtime_api().intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+
+    def succeed(n: int) -> tuple[int, Any]:
+        try:
+            api = runtime_api()
+            return api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference="RF-7")
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(2) as pool, event_inserts_held() as wait_for_waiters:
+        reports = [pool.submit(succeed, n) for n in (1, 2)]
+        wait_for_waiters(2)  # both have read, and wait to write
+    assert [report.result()[0] for report in reports] == [201, 201]
+    flags = dict(Invocation.objects.values_list("invocation_id", "flags"))
+    assert sorted(flags.values()) == [[], ["reference_shared"]], flags
+    later = next(invocation_id for invocation_id, f in flags.items() if f)
+    event = Event.objects.get(invocation__invocation_id=later, kind="outcome_recorded")
+    assert event.data["also_named_by"] == ["inv-2" if later == "inv-1" else "inv-1"]
+
+
+@pytest.mark.parametrize("decider", ["probe", "person"])
+def test_a_finding_and_a_success_naming_one_reference_at_once_are_not_both_settled_alone(
+    runtime_api: Callable[[], Api], decider: str
+) -> None:
+    """inv-1 is reconciled (by a probe, or by a person) as an effect under RF-9 while
+    inv-2's runtime reports a success under RF-9, each having read that no one names it."""
+    from ledger.services import LedgerError, flag_missing_evidence
+    from reconciliation import probes, services
+
+    runtime_api().intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    runtime_api().intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
+    deadline = Invocation.objects.get(invocation_id="inv-1").deadline_at
+    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+    assert services.invocation_claim(invocation_id="inv-1", worker="w")
+
+    def reconcile() -> str:
+        try:
+            if decider == "probe":
+                found = probes.ProbeResult(probes.Finding.PRESENT, business_reference="RF-9")
+                services.record_probe_result(invocation_id="inv-1", worker="w", result=found)
+            else:
+                services.invocation_resolve(
+                    invocation_id="inv-1",
+                    actor="user:ada",
+                    effect=policy.Effect.PRESENT,
+                    business_reference="RF-9",
+                    note="RF-9 is in the payments console",
+                )
+            return "applied"
+        except LedgerError as refused:
+            return refused.type
+        finally:
+            connection.close()
+
+    def succeed() -> int:
+        try:
+            api = runtime_api()
+            return api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-9")[0]
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(2) as pool, event_inserts_held() as wait_for_waiters:
+        reconciled, reported = pool.submit(reconcile), pool.submit(succeed)
+        wait_for_waiters(2)
+    assert reported.result() == 201
+    first = Invocation.objects.get(invocation_id="inv-1")
+    second = Invocation.objects.get(invocation_id="inv-2")
+    settled_alone = first.status == "succeeded" and "reference_shared" not in first.flags
+    if reconciled.result() == "applied" and settled_alone:
+        assert second.flags == ["reference_shared"]  # the success came second
+    else:  # the success came first: the probe escalates, the person is asked to confirm
+        assert second.flags == []
+        expected = {
+            "probe": ("escalated", "reference_shared"),
+            "person": ("reconciling", "evidence_missing"),
+        }
+        assert (first.status, first.cause) == expected[decider], (first.status, first.cause)
+        assert (
+            reconciled.result()
+            == {"probe": "applied", "person": "business_reference_shared"}[decider]
+        )

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.django_db
 
 WRITE_SHAPES = [
     shape
-    for shape in itertools.product([False, True], repeat=6)
+    for shape in itertools.product([False, True], repeat=7)
     if shape[0] or shape[1]  # a unit writes a new invocation or updates one
 ]
 

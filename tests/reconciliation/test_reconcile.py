@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 
 from ledger import policy
-from ledger.models import Capability, Invocation
+from ledger.models import Capability, Invocation, NamedReference
 from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services
 from reconciliation.standin import StandInService
@@ -395,3 +397,38 @@ def test_late_evidence_that_contradicts_a_resolution_escalates(
     status, body = api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
     assert (status, body["status"], body["cause"]) == (201, "escalated", "evidence_conflict")
     assert body["flags"] == ["evidence_conflict"]
+
+
+named_references = importlib.import_module("ledger.migrations.0025_named_reference")
+
+
+def test_every_reference_named_is_kept_with_its_first_namer_and_the_migration_agrees(
+    api: Api, refunds: Capability
+) -> None:
+    """Each path that names a reference keeps it once, under the invocation that named
+    it first; 0025 recovers the same from the events of a ledger that predates it."""
+    for n in (1, 2, 3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")  # shared
+    api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-3")
+    conflict = api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-4")
+    assert conflict[1]["error"]["type"] == "outcome_conflict"
+    flagged(api, "inv-4", "k-4")
+    services.invocation_resolve(
+        invocation_id="inv-4",
+        actor="user:ada",
+        effect=policy.Effect.PRESENT,
+        business_reference="RF-5",
+        note="in the console",
+    )
+    kept = dict(NamedReference.objects.values_list("reference", "first_named_by__invocation_id"))
+    assert kept == {"RF-1": "inv-1", "RF-3": "inv-3", "RF-4": "inv-3", "RF-5": "inv-4"}
+
+    NamedReference.objects.all().delete()
+    with connection.cursor() as cursor:
+        cursor.execute(named_references.BACKFILL)
+    recovered = dict(
+        NamedReference.objects.values_list("reference", "first_named_by__invocation_id")
+    )
+    assert recovered == kept
