@@ -10,6 +10,12 @@ WHERE (data -> 'business_reference') > '""'::jsonb
 ORDER BY data ->> 'business_reference', id
 """
 
+# Who named a reference first is a fact like the events it comes from (see 0002).
+APPEND_ONLY = """
+CREATE TRIGGER ledger_namedreference_append_only BEFORE UPDATE OR DELETE
+    ON ledger_namedreference FOR EACH ROW EXECUTE FUNCTION ledger_refuse_change();
+"""
+
 
 class Migration(migrations.Migration):
     dependencies = [
@@ -33,4 +39,7 @@ class Migration(migrations.Migration):
             ],
         ),
         migrations.RunSQL(BACKFILL, migrations.RunSQL.noop),
+        migrations.RunSQL(
+            APPEND_ONLY, "DROP TRIGGER ledger_namedreference_append_only ON ledger_namedreference;"
+        ),
     ]

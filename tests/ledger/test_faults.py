@@ -19,18 +19,21 @@ from reconciliation import views
 from tests.conftest import Api
 
 
-@pytest.mark.parametrize("table", ["ledger_event", "ledger_attempt", "ledger_outcome"])
-@pytest.mark.parametrize("statement", ["UPDATE {table} SET id = id", "DELETE FROM {table}"])
+@pytest.mark.parametrize(
+    "table", ["ledger_event", "ledger_attempt", "ledger_outcome", "ledger_namedreference"]
+)
+@pytest.mark.parametrize("statement", ["UPDATE {table} SET {key} = {key}", "DELETE FROM {table}"])
 def test_postgres_refuses_to_rewrite_evidence(
     api: Api, refund: Capability, table: str, statement: str
 ) -> None:
     api.intent(attempt_id="a1")
-    api.outcome("inv-1", "a1", kind="succeeded")
+    api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    key = "reference" if table == "ledger_namedreference" else "id"
     with (
         pytest.raises((InternalError, ProgrammingError), match="append-only"),
         connection.cursor() as cursor,
     ):
-        cursor.execute(statement.format(table=table))
+        cursor.execute(statement.format(table=table, key=key))
 
 
 def admin_conninfo() -> str:
