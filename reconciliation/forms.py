@@ -83,7 +83,30 @@ class ActionForm(forms.Form):
     seen_event_count = forms.IntegerField(widget=forms.HiddenInput, min_value=0)
 
 
-class ResolveForm(ActionForm):
+class ConfirmsSharedReference(forms.Form):
+    """An action that counts an effect under a business reference. If other
+    invocations' evidence names that reference, the action is refused once and taken
+    when the person ticks the box: one effect is never counted for two intents unasked."""
+
+    # Shown only after such a refusal.
+    same_reference_confirmed = forms.BooleanField(required=False)
+    # Where the refusal is shown: a field's name, or None above the form.
+    refusal_field: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shared_with: list[str] = []
+
+    def refuse_shared(self, reference: str, others: list[str]) -> None:
+        self.shared_with = others
+        self.add_error(
+            self.refusal_field,
+            f"{reference} is already named by {', '.join(others)}. If this invocation's "
+            "effect really has that reference, confirm it below.",
+        )
+
+
+class ResolveForm(ActionForm, ConfirmsSharedReference):
     effect = forms.ChoiceField(
         choices=[
             (policy.Effect.PRESENT.value, "the effect happened"),
@@ -93,23 +116,7 @@ class ResolveForm(ActionForm):
     )
     business_reference = forms.CharField(required=False, max_length=256)
     note = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), max_length=4000)
-    # Asked for only when another invocation's evidence names the same reference.
-    same_reference_confirmed = forms.BooleanField(required=False)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.shared_with: list[str] = []
-
-    def refuse_shared(self, others: list[str]) -> None:
-        """The reference is named by these other invocations and the person has not
-        said that it is right: one effect must not be counted for two intents."""
-        self.shared_with = others
-        self.add_error(
-            "business_reference",
-            f"{self.cleaned_data['business_reference']} is already named by "
-            f"{', '.join(others)}. If this invocation's effect really has that reference, "
-            "confirm it below.",
-        )
+    refusal_field = "business_reference"
 
     def clean(self) -> dict[str, object]:
         data = super().clean() or {}
@@ -118,5 +125,5 @@ class ResolveForm(ActionForm):
         return data
 
 
-class DecisionForm(ActionForm):
+class DecisionForm(ActionForm, ConfirmsSharedReference):
     note = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))

@@ -217,12 +217,13 @@ def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
 class SharedReference(LedgerError):
     """The business reference is named by other invocations' evidence already."""
 
-    def __init__(self, also_named_by: list[str]) -> None:
+    def __init__(self, reference: str, also_named_by: list[str]) -> None:
         super().__init__(
             "business_reference_shared",
             "other invocations' evidence names this business reference",
-            details={"also_named_by": also_named_by},
+            details={"business_reference": reference, "also_named_by": also_named_by},
         )
+        self.reference = reference
         self.also_named_by = also_named_by
 
 
@@ -263,7 +264,7 @@ def invocation_resolve(
         if effect is policy.Effect.PRESENT:
             others = _others_naming(invocation, business_reference)
             if others and not shared_reference_confirmed:
-                raise SharedReference(others)
+                raise SharedReference(business_reference, others)
             if others:
                 data["also_named_by"] = others
                 state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
@@ -286,9 +287,19 @@ def invocation_resolve(
 
 
 def invocation_approve(
-    *, invocation_id: str, actor: str, note: str = "", seen_event_count: int | None = None
+    *,
+    invocation_id: str,
+    actor: str,
+    note: str = "",
+    seen_event_count: int | None = None,
+    shared_reference_confirmed: bool = False,
 ) -> Invocation:
-    """The second person confirms a proposed resolution."""
+    """The second person confirms a proposed resolution.
+
+    If, since the proposal, other invocations' evidence has come to name its business
+    reference, the approver is asked to confirm it as the proposer would have been
+    (SharedReference): they are the person who counts the effect.
+    """
 
     def change(invocation: Invocation) -> dict[str, Any] | None:
         _not_stale(invocation, seen_event_count)
@@ -302,10 +313,21 @@ def invocation_approve(
                 status=403,
             )
         effect = policy.Effect(proposal["effect"])
-        invocation.apply_state(policy.resolve(invocation.state(), invocation.hints(), effect))
+        state = invocation.state()
+        data = {**proposal, "approved_by": actor, "approval_note": note}
+        if effect is policy.Effect.PRESENT:
+            reference = proposal.get("business_reference", "")
+            others = _others_naming(invocation, reference)
+            unconfirmed = sorted(set(others) - set(proposal.get("also_named_by", [])))
+            if unconfirmed and not shared_reference_confirmed:
+                raise SharedReference(reference, unconfirmed)
+            if others:
+                data["also_named_by"] = others
+                state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
+        invocation.apply_state(policy.resolve(state, invocation.hints(), effect))
         invocation.proposal = None
         _clear_lease(invocation)
-        return {**proposal, "approved_by": actor, "approval_note": note}
+        return data
 
     changed = invocation_transition(
         invocation_id=invocation_id, actor=actor, kind="resolution_approved", change=change

@@ -12,6 +12,7 @@ import json
 import logging
 from typing import Any
 
+from django import forms
 from django.contrib import messages
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
@@ -305,7 +306,7 @@ def _seen(request: HttpRequest) -> int | None:
 def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
     form = ResolveForm(request.POST)
     if not form.is_valid():
-        return _resolve_form_again(request, invocation_id, form)
+        return _form_again(request, invocation_id, "resolve_form", form)
     try:
         result = services.invocation_resolve(
             invocation_id=invocation_id,
@@ -317,8 +318,8 @@ def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
             shared_reference_confirmed=form.cleaned_data["same_reference_confirmed"],
         )
     except services.SharedReference as shared:
-        form.refuse_shared(shared.also_named_by)
-        return _resolve_form_again(request, invocation_id, form)
+        form.refuse_shared(shared.reference, shared.also_named_by)
+        return _form_again(request, invocation_id, "resolve_form", form)
     except LedgerError as error:
         return _refused(request, invocation_id, error)
     done = (
@@ -329,12 +330,12 @@ def resolve(request: HttpRequest, invocation_id: str) -> HttpResponse:
     return _after_action(request, invocation_id, done)
 
 
-def _resolve_form_again(
-    request: HttpRequest, invocation_id: str, form: ResolveForm
+def _form_again(
+    request: HttpRequest, invocation_id: str, name: str, form: forms.Form
 ) -> HttpResponse:
-    """The resolve form with its errors, in place; nothing was applied."""
+    """The page's form of that name with its errors, in place; nothing was applied."""
     context = invocation_context(request, _invocation(invocation_id))
-    context["resolve_form"] = form
+    context[name] = form
     status = 200 if request.htmx else 400  # type: ignore[attr-defined]
     return render(request, "reconciliation/invocation.html#detail", context, status=status)
 
@@ -343,18 +344,23 @@ def _resolve_form_again(
 @role_required("approver", "admin")
 def decide(request: HttpRequest, invocation_id: str, decision: str) -> HttpResponse:
     form = DecisionForm(request.POST)
-    note = form.data.get("note", "")
+    form.is_valid()  # every field is optional here; a missing count skips the stale check
+    note = form.cleaned_data.get("note", "")
     try:
         if decision == "approve":
             services.invocation_approve(
                 invocation_id=invocation_id, actor=actor(request), note=note,
                 seen_event_count=_seen(request),
+                shared_reference_confirmed=form.cleaned_data.get("same_reference_confirmed", False),
             )  # fmt: skip
         else:
             services.invocation_reject(
                 invocation_id=invocation_id, actor=actor(request), note=note,
                 seen_event_count=_seen(request),
             )  # fmt: skip
+    except services.SharedReference as shared:
+        form.refuse_shared(shared.reference, shared.also_named_by)
+        return _form_again(request, invocation_id, "decision_form", form)
     except LedgerError as error:
         if error.type == "same_person":
             raise PermissionDenied(error.message) from None

@@ -134,15 +134,21 @@ def test_an_operator_pages_through_the_queue_and_back(
     assert page.evaluate("window.sameDocument === true") is javascript
 
 
+def propose_as_olga(browser: Browser, base: str, javascript: bool) -> Page:
+    """Olga (an operator) proposes RF-4471 for high-risk inv-2; Abe may approve."""
+    user("olga", "operator")
+    user("abe", "approver")
+    page = log_in(browser, base, "olga", javascript)
+    resolve_as_present(page, f"{base}/invocations/inv-2/", "RF-4471")
+    expect(page.locator("dd.status")).to_have_text("resolution_proposed")
+    return page
+
+
 @pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
 def test_a_high_risk_resolution_is_proposed_by_one_and_approved_by_another(
     browser: Browser, live_server: Any, flagged: None, javascript: bool
 ) -> None:
-    user("olga", "operator")
-    user("abe", "approver")
-    page = log_in(browser, live_server.url, "olga", javascript)
-    resolve_as_present(page, f"{live_server.url}/invocations/inv-2/", "RF-4471")
-    expect(page.locator("dd.status")).to_have_text("resolution_proposed")
+    page = propose_as_olga(browser, live_server.url, javascript)
     expect(page.locator(".proposal")).not_to_contain_text("Approve")  # not for the proposer
     approver = log_in(browser, live_server.url, "abe", javascript)
     approver.goto(f"{live_server.url}/invocations/inv-2/")
@@ -174,6 +180,37 @@ def test_a_reference_another_invocation_names_is_resolved_only_once_confirmed(
     expect(page.locator("ul.references")).to_contain_text("Also named by 1 other invocation")
     resolution = Invocation.objects.get(invocation_id="inv-1").events.get(kind="resolution")
     assert resolution.data["also_named_by"] == ["inv-3"]
+
+
+@pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
+def test_an_approver_confirms_a_reference_named_elsewhere_since_the_proposal(
+    browser: Browser, live_server: Any, flagged: None, api: Api, javascript: bool
+) -> None:
+    propose_as_olga(browser, live_server.url, javascript)
+    api.intent(invocation_id="inv-3", idempotency_key="k-3", attempt_id="a1")
+    api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-4471")
+
+    approver = log_in(browser, live_server.url, "abe", javascript)
+    approver.goto(f"{live_server.url}/invocations/inv-2/")
+    approver.fill(".proposal textarea[name=note]", "Checked with payments.")
+    approver.click(".proposal button[type=submit]")
+
+    expect(approver.locator(".proposal")).to_contain_text("RF-4471 is already named by inv-3.")
+    expect(approver.locator("dd.status")).to_have_text("resolution_proposed")
+    expect(approver.locator(".proposal textarea[name=note]")).to_have_value(
+        "Checked with payments."
+    )
+    approver.check(".proposal input[name=same_reference_confirmed]")
+    approver.click(".proposal button[type=submit]")
+
+    expect(approver.locator("dd.status")).to_have_text("succeeded")
+    approved = (
+        Invocation.objects.get(invocation_id="inv-2").events.get(kind="resolution_approved").data
+    )
+    assert (approved["approval_note"], approved["also_named_by"]) == (
+        "Checked with payments.",
+        ["inv-3"],
+    )
 
 
 def test_no_page_logs_an_error_in_the_browser(

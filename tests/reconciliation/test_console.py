@@ -641,6 +641,59 @@ def test_a_confirmed_shared_reference_resolves_and_is_recorded(
     assert '<li class="shared">' in section
 
 
+def approve_with(approver: Client, headers: dict[str, str] | None = None, **extra: str) -> Any:
+    seen = Invocation.objects.get(invocation_id="inv-1").event_count
+    return approver.post(
+        "/invocations/inv-1/approve", {"seen_event_count": seen, **extra}, headers=headers
+    )
+
+
+@pytest.mark.parametrize("htmx", [False, True], ids=["page", "htmx"])
+def test_an_approver_confirms_a_reference_named_elsewhere_since_the_proposal(
+    flagged: str, api: Api, operator: Client, htmx: bool
+) -> None:
+    """The proposal named RF-990 when no one else did; inv-2's success named it after.
+    The approver is the person who counts the effect, so they are asked."""
+    Invocation.objects.update(risk_level="high")
+    resolve_with(operator, "RF-990")
+    api.intent(invocation_id="inv-2", idempotency_key="key-2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-990")
+    approver = person("amir", "approver")
+    before = Invocation.objects.get(invocation_id="inv-1").event_count
+    headers = {"HX-Request": "true"} if htmx else {}
+
+    refused = approve_with(approver, headers=headers)
+
+    assert refused.status_code == (200 if htmx else 400)
+    page = refused.content.decode()
+    assert "RF-990 is already named by inv-2." in page
+    assert 'name="same_reference_confirmed"' in page
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert (invocation.status, invocation.event_count) == ("resolution_proposed", before)
+
+    approve_with(approver, same_reference_confirmed="on")
+
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert (invocation.status, invocation.flags) == ("succeeded", ["reference_shared"])
+    approved = invocation.events.get(kind="resolution_approved").data
+    assert (approved["approved_by"], approved["also_named_by"]) == ("user:amir", ["inv-2"])
+
+
+def test_a_reference_the_proposer_confirmed_is_not_asked_again(
+    inv_2_names_rf_981: None, operator: Client
+) -> None:
+    Invocation.objects.filter(invocation_id="inv-1").update(risk_level="high")
+    resolve_with(operator, "RF-981", same_reference_confirmed="on")
+    assert Invocation.objects.get(invocation_id="inv-1").status == "resolution_proposed"
+
+    approve_with(person("amir", "approver"))
+
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert (invocation.status, invocation.flags) == ("succeeded", ["reference_shared"])
+    approved = invocation.events.get(kind="resolution_approved").data
+    assert approved["also_named_by"] == ["inv-2"]
+
+
 def test_a_reference_no_other_invocation_names_needs_no_confirmation(
     inv_2_names_rf_981: None, operator: Client
 ) -> None:
