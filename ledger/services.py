@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,9 +163,9 @@ class _Work:
     dirty: dict[str, Invocation] = field(default_factory=dict)
     read_event_count: dict[str, int] = field(default_factory=dict)
     unchanged_capabilities: list[store.KnownCapability] = field(default_factory=list)
-    # Business reference -> the invocations whose evidence names it, as read, and as
-    # this unit's own successes add to it.
-    named_by: dict[str, set[str]] = field(default_factory=dict)
+    # Business reference -> {invocation_id: runtime id} of the invocations whose
+    # evidence names it, as read, and as this unit's own successes add to it.
+    named_by: dict[str, dict[str, int]] = field(default_factory=dict)
     # The references that no invocation's evidence named when this unit read them.
     # The write claims each one this unit names (store.Writes.new_references).
     unnamed: set[str] = field(default_factory=set)
@@ -205,9 +205,9 @@ class _Work:
                 if outcome is not None:
                     self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
 
-    def _read_named(self, named_by: dict[str, list[str]]) -> None:
+    def _read_named(self, named_by: dict[str, dict[str, int]]) -> None:
         for reference, named in named_by.items():
-            self.named_by[reference] = set(named)
+            self.named_by[reference] = dict(named)
             if not named:
                 self.unnamed.add(reference)
 
@@ -240,14 +240,16 @@ class _Work:
         )
         return kept.exists()
 
-    def also_naming(self, invocation: Invocation, reference: str) -> list[str]:
+    def also_naming(self, invocation: Invocation, reference: str) -> dict[str, int]:
         """The other invocations whose evidence names the reference this invocation's
-        success names, sorted; the reference is then named by this one too."""
+        success names, with their runtimes; the reference is then named by this one too."""
         if not reference:
-            return []
-        named = self.named_by.setdefault(reference, set())
-        others = sorted(named - {invocation.invocation_id})
-        named.add(invocation.invocation_id)
+            return {}
+        named = self.named_by.setdefault(reference, {})
+        others = {
+            other: runtime for other, runtime in named.items() if other != invocation.invocation_id
+        }
+        named[invocation.invocation_id] = invocation.runtime_id
         return others
 
     def _remember(self, invocation: Invocation) -> None:
@@ -613,8 +615,8 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
         item.retryable,
         names_another_effect=late and _names_another_effect(invocation, item),
     )
-    also_named_by = work.also_naming(invocation, _effect_reference(item))
-    if also_named_by:
+    also_named = work.also_naming(invocation, _effect_reference(item))
+    if also_named:
         state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
     invocation.apply_state(state)
     outcome = Outcome(
@@ -639,10 +641,24 @@ def _apply_outcome(work: _Work, item: OutcomeInput) -> Applied:
             **claim,
             "error_message": item.error_message,
             "completed_at": item.completed_at.isoformat() if item.completed_at else None,
-            **({"also_named_by": also_named_by} if also_named_by else {}),
+            **shared_reference_data(also_named, invocation.runtime_id),
         },
     )
     return Applied(invocation, True, typed_state(invocation))
+
+
+def shared_reference_data(others: Mapping[str, int], runtime_id: int) -> dict[str, Any]:
+    """What an event records of the other invocations whose evidence names its business
+    reference: the ids of those of its own runtime, and only how many belong to other
+    runtimes. A runtime reads its invocations' events and never learns another
+    runtime's invocations (DESIGN §5: those are 404 to it); the console and the audit
+    search by reference show people all of them."""
+    own = sorted(other for other, runtime in others.items() if runtime == runtime_id)
+    elsewhere = len(others) - len(own)
+    return {
+        **({"also_named_by": own} if own else {}),
+        **({"also_named_elsewhere": elsewhere} if elsewhere else {}),
+    }
 
 
 def _effect_reference(item: EvidenceInput) -> str:

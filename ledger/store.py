@@ -95,10 +95,11 @@ SELECT
              ON x.capability_scope = p.scope AND x.idempotency_key = p.idempotency_key) x
          ORDER BY x.id) i),
   {token_active},
-  -- For each business reference a success names, the invocations whose evidence names
-  -- it already (through event_business_reference; a few events are enough to tell).
+  -- For each business reference an outcome names, the invocations whose evidence names
+  -- it already, with their runtimes (through event_business_reference; a few events
+  -- are enough to tell).
   (SELECT coalesce(json_object_agg(r.reference, (
-      SELECT coalesce(json_agg(DISTINCT i.invocation_id), '[]')
+      SELECT coalesce(jsonb_object_agg(i.invocation_id, i.runtime_id), '{}')
       FROM (SELECT e.invocation_id FROM ledger_event e
             WHERE (e.data -> 'business_reference') > '""'::jsonb
               AND (e.data -> 'business_reference') = to_jsonb(r.reference)
@@ -415,8 +416,9 @@ class Loaded:
     invocations: list[tuple[Invocation, list[tuple[Attempt, Outcome | None]]]] = field(
         default_factory=list
     )
-    # Business reference -> invocation_ids whose evidence names it (a bounded sample).
-    named_by: dict[str, list[str]] = field(default_factory=dict)
+    # Business reference -> {invocation_id: runtime id} of the invocations whose
+    # evidence names it (a bounded sample).
+    named_by: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class TokenRevoked(Exception):

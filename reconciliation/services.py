@@ -17,7 +17,7 @@ from django.utils import timezone
 from ledger import policy
 from ledger.audit import invocations_naming
 from ledger.models import Invocation
-from ledger.services import LedgerError, invocation_transition
+from ledger.services import LedgerError, invocation_transition, shared_reference_data
 from reconciliation.probes import Finding, ProbeResult
 
 FINDING_EFFECT = {Finding.PRESENT: policy.Effect.PRESENT, Finding.ABSENT: policy.Effect.ABSENT}
@@ -151,7 +151,7 @@ def record_probe_result(
             found_under = result.business_reference if result.finding is Finding.PRESENT else ""
             others = _others_naming(invocation, found_under)
             if others:
-                data["also_named_by"] = others
+                data.update(shared_reference_data(others, invocation.runtime_id))
                 shared = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
                 invocation.apply_state(policy.escalate(shared, policy.Cause.REFERENCE_SHARED))
                 return data
@@ -179,16 +179,17 @@ def record_probe_result(
     )
 
 
-def _others_naming(invocation: Invocation, reference: str) -> list[str]:
+def _others_naming(invocation: Invocation, reference: str) -> dict[str, int]:
     """The other invocations whose evidence names the reference an effect was found
-    under. One effect is never counted for two intents unasked: a person must confirm
-    it, and a probe, which cannot be asked, hands the invocation to a person."""
+    under, with their runtimes. One effect is never counted for two intents unasked: a
+    person must confirm it, and a probe, which cannot be asked, hands the invocation to
+    a person."""
     if not reference:
-        return []
+        return {}
     others = invocations_naming(
         reference, besides=invocation.invocation_id, limit=SHARED_NAMED_LIMIT
     )
-    return [other.invocation_id for other in others]
+    return {other.invocation_id: other.runtime_id for other in others}
 
 
 def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
@@ -264,9 +265,9 @@ def invocation_resolve(
         if effect is policy.Effect.PRESENT:
             others = _others_naming(invocation, business_reference)
             if others and not shared_reference_confirmed:
-                raise SharedReference(business_reference, others)
+                raise SharedReference(business_reference, sorted(others))
             if others:
-                data["also_named_by"] = others
+                data.update(shared_reference_data(others, invocation.runtime_id))
                 state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
         try:
             if invocation.risk_level == "high":
@@ -318,11 +319,13 @@ def invocation_approve(
         if effect is policy.Effect.PRESENT:
             reference = proposal.get("business_reference", "")
             others = _others_naming(invocation, reference)
-            unconfirmed = sorted(set(others) - set(proposal.get("also_named_by", [])))
+            unconfirmed = _named_since(proposal, others, invocation.runtime_id)
             if unconfirmed and not shared_reference_confirmed:
                 raise SharedReference(reference, unconfirmed)
+            data.pop("also_named_by", None)
+            data.pop("also_named_elsewhere", None)
             if others:
-                data["also_named_by"] = others
+                data.update(shared_reference_data(others, invocation.runtime_id))
                 state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
         invocation.apply_state(policy.resolve(state, invocation.hints(), effect))
         invocation.proposal = None
@@ -334,6 +337,19 @@ def invocation_approve(
     )
     assert changed is not None
     return changed
+
+
+def _named_since(proposal: dict[str, Any], others: dict[str, int], runtime_id: int) -> list[str]:
+    """The invocations naming the proposal's reference now that its proposer was not
+    asked about. The proposal recorded its own runtime's by id and the others by
+    number; naming only ever grows, so more of those means new ones (all listed)."""
+    seen = set(proposal.get("also_named_by", []))
+    unseen = {other: runtime for other, runtime in others.items() if other not in seen}
+    own = [other for other, runtime in unseen.items() if runtime == runtime_id]
+    elsewhere = [other for other, runtime in unseen.items() if runtime != runtime_id]
+    if len(elsewhere) <= proposal.get("also_named_elsewhere", 0):
+        elsewhere = []
+    return sorted(own + elsewhere)
 
 
 def invocation_reject(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from typing import Any
 
 import pytest
@@ -142,20 +143,42 @@ def test_one_batch_sending_a_conflicting_claim_twice_keeps_it_once(in_flight: Ap
 def test_a_success_naming_another_invocations_reference_is_flagged(
     api: Api, refund: Capability, api_b: Api
 ) -> None:
-    """Two intents, one refund: the second to name it is flagged for compliance and
-    its event names the first, whichever runtime recorded it. Nothing is refused."""
+    """Two intents, one refund: the second to name it is flagged for compliance, and
+    its event names the first by id when the same runtime recorded both. Nothing is
+    refused."""
     api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
     api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
-    api_b.intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
+    api.intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
 
-    status, body = api_b.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")
-    replayed = api_b.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")
+    status, body = api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")
+    replayed = api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")
 
     assert (status, body["status"], body["flags"]) == (201, "succeeded", ["reference_shared"])
     assert replayed == (200, body)
     second = Event.objects.get(invocation__invocation_id="inv-2", kind="outcome_recorded")
     assert second.data["also_named_by"] == ["inv-1"]
+    assert "also_named_elsewhere" not in second.data
     assert Invocation.objects.get(invocation_id="inv-1").flags == []
+
+
+def test_a_reference_another_runtime_named_is_flagged_without_naming_its_invocation(
+    api: Api, refund: Capability, api_b: Api
+) -> None:
+    """Runtime B is told that its refund's reference is named elsewhere, but never
+    which invocation of runtime A's names it: A's invocations are 404 to B."""
+    api.intent(invocation_id="a-refund-for-order-17", idempotency_key="k-1", attempt_id="a1")
+    api.outcome("a-refund-for-order-17", "a1", kind="succeeded", business_reference="RF-1")
+    api_b.intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
+
+    status, body = api_b.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-1")
+
+    assert (status, body["flags"]) == (201, ["reference_shared"])
+    status, detail = api_b.get("/api/v1/invocations/inv-2")
+    assert status == 200
+    (recorded,) = [e for e in detail["events"] if e["kind"] == "outcome_recorded"]
+    assert recorded["data"]["also_named_elsewhere"] == 1
+    assert "also_named_by" not in recorded["data"]
+    assert "order-17" not in json.dumps(detail)
 
 
 def test_a_reference_named_twice_in_one_batch_flags_the_second(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -692,6 +693,59 @@ def test_a_reference_the_proposer_confirmed_is_not_asked_again(
     assert (invocation.status, invocation.flags) == ("succeeded", ["reference_shared"])
     approved = invocation.events.get(kind="resolution_approved").data
     assert approved["also_named_by"] == ["inv-2"]
+
+
+def test_another_runtimes_invocation_is_shown_to_people_but_recorded_only_as_a_number(
+    flagged: str, api: Api, api_b: Api, operator: Client
+) -> None:
+    """The operator sees and confirms against runtime B's invocation by name; inv-1's
+    event, which runtime A reads, records only that one other runtime's names it."""
+    api_b.intent(invocation_id="b-order-17", idempotency_key="key-2", attempt_id="a1")
+    api_b.outcome("b-order-17", "a1", kind="succeeded", business_reference="RF-983")
+
+    refused = resolve_with(operator, "RF-983")
+    assert "RF-983 is already named by b-order-17." in refused.content.decode()
+    resolve_with(operator, "RF-983", same_reference_confirmed="on")
+
+    resolution = Invocation.objects.get(invocation_id="inv-1").events.get(kind="resolution")
+    assert resolution.data["also_named_elsewhere"] == 1
+    assert "also_named_by" not in resolution.data
+    status, detail = api.get("/api/v1/invocations/inv-1")
+    assert (status, detail["flags"]) == (200, ["reference_shared"])
+    assert "order-17" not in json.dumps(detail)
+    assert "b-order-17" in references_section(operator.get("/invocations/inv-1/").content)
+
+
+@pytest.mark.parametrize("b_names_it", ["before the proposal", "after the proposal"])
+def test_an_approver_is_asked_only_when_another_runtime_has_come_to_name_the_reference(
+    inv_2_names_rf_981: None, api_b: Api, operator: Client, b_names_it: str
+) -> None:
+    """The proposal records runtime B's invocations only as a number; a larger number
+    at approval means one named the reference since, and the approver is asked."""
+
+    def b_names_rf_981() -> None:
+        api_b.intent(invocation_id="b-1", idempotency_key="key-b", attempt_id="a1")
+        api_b.outcome("b-1", "a1", kind="succeeded", business_reference="RF-981")
+
+    Invocation.objects.filter(invocation_id="inv-1").update(risk_level="high")
+    if b_names_it == "before the proposal":
+        b_names_rf_981()
+    resolve_with(operator, "RF-981", same_reference_confirmed="on")
+    if b_names_it == "after the proposal":
+        b_names_rf_981()
+    approver = person("amir", "approver")
+
+    first = approve_with(approver)
+
+    invocation = Invocation.objects.get(invocation_id="inv-1")
+    if b_names_it == "after the proposal":
+        assert "RF-981 is already named by b-1." in first.content.decode()
+        assert invocation.status == "resolution_proposed"
+        approve_with(approver, same_reference_confirmed="on")
+        invocation = Invocation.objects.get(invocation_id="inv-1")
+    assert invocation.status == "succeeded"
+    approved = invocation.events.get(kind="resolution_approved").data
+    assert (approved["also_named_by"], approved["also_named_elsewhere"]) == (["inv-2"], 1)
 
 
 def test_a_reference_no_other_invocation_names_needs_no_confirmation(
