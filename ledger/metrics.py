@@ -12,6 +12,9 @@ several workers would each hold a different part of.
 - `ledger_invocations_overdue` and `ledger_invocations_overdue_oldest_seconds`: those
   past their deadline that the sweeper has not flagged yet, and by how long;
 - `ledger_probe_runs_last_hour{finding}`: what probes found in the last hour;
+- `ledger_shared_references_last_hour{kind}`: evidence recorded in the last hour that
+  names a business reference other invocations' evidence names already (flagged
+  `reference_shared`), by event kind: one effect may be counted for two intents;
 - `ledger_event_last_timestamp_seconds` and `ledger_seal_last_timestamp_seconds`: when
   the newest event was recorded and the newest seal made. (The age of the oldest
   unsealed event would say more directly whether the sealer keeps up, but finding it
@@ -23,7 +26,7 @@ several workers would each hold a different part of.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -36,9 +39,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ledger import policy
-from ledger.models import Event, Invocation, Seal
+from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation, Seal
 
-PROBE_WINDOW = dt.timedelta(hours=1)
+RECENT = dt.timedelta(hours=1)
 # Behind means that beat has missed this many sweeps or seals in a row: a minute at
 # the default sweep interval of 5 s, ten minutes at the default seal interval of 60 s.
 MISSED_SWEEPS = 12
@@ -102,7 +105,7 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
 
 
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: seven statements, each on an index (eight
+    """Reads the figures once per scrape: eight statements, each on an index (nine
     before the first seal)."""
 
     def __init__(self, now: dt.datetime) -> None:
@@ -150,13 +153,9 @@ class LedgerCollector(Collector):
             value=_seconds_since(work.oldest_overdue_deadline, now),
         )
 
-        probes = GaugeMetricFamily(
-            "ledger_probe_runs_last_hour",
-            "Probe runs in the last hour, by finding ('none': no probe to run).",
-            labels=["finding"],
-        )
+        recent = Event.objects.filter(created_at__gte=now - RECENT)
         findings = (
-            Event.objects.filter(kind="probe_run", created_at__gte=now - PROBE_WINDOW)
+            recent.filter(kind="probe_run")
             .annotate(
                 finding=Coalesce(KT("data__finding"), Value("none"), output_field=TextField())
             )
@@ -164,9 +163,25 @@ class LedgerCollector(Collector):
             .annotate(n=Count("id"))
             .values_list("finding", "n")
         )
-        for finding, n in sorted(findings):
-            probes.add_metric([finding], n)
-        yield probes
+        yield _counted(
+            "ledger_probe_runs_last_hour",
+            "Probe runs in the last hour, by finding ('none': no probe to run).",
+            "finding",
+            findings,
+        )
+        shared = (
+            recent.filter(NAMES_A_SHARED_REFERENCE)
+            .values("kind")
+            .annotate(n=Count("id"))
+            .values_list("kind", "n")
+        )
+        yield _counted(
+            "ledger_shared_references_last_hour",
+            "Evidence recorded in the last hour naming a business reference that other "
+            "invocations' evidence names already, by event kind.",
+            "kind",
+            shared,
+        )
 
         behind = GaugeMetricFamily(
             "ledger_background_behind",
@@ -187,6 +202,16 @@ class LedgerCollector(Collector):
             "When the newest event was recorded, in Unix time (0 if none yet).",
             value=work.newest_event_at.timestamp() if work.newest_event_at else 0.0,
         )
+
+
+def _counted(
+    name: str, documentation: str, label: str, counts: Iterable[tuple[str, int]]
+) -> GaugeMetricFamily:
+    """A gauge with one sample per label value counted (none when nothing was)."""
+    family = GaugeMetricFamily(name, documentation, labels=[label])
+    for value, n in sorted(counts):
+        family.add_metric([value], n)
+    return family
 
 
 def exposition(now: dt.datetime | None = None) -> bytes:

@@ -418,6 +418,11 @@ class Outcome(models.Model):
 # An event whose data names a business reference. In jsonb's order every non-empty
 # string sorts after "", so this excludes the outcomes that name none.
 HAS_BUSINESS_REFERENCE = Q(data__business_reference__gt="")
+# An event whose business reference other invocations' evidence names already
+# (services.shared_reference_data): the reference_shared flag's events.
+NAMES_A_SHARED_REFERENCE = Q(data__has_key="also_named_by") | Q(
+    data__has_key="also_named_elsewhere"
+)
 
 
 class NamedReference(models.Model):
@@ -485,6 +490,12 @@ class Event(models.Model):
                 KeyTransform("business_reference", "data"),
                 condition=HAS_BUSINESS_REFERENCE,
                 name="event_business_reference",
+            ),
+            # Recent shared references (/metrics): rare, so the index is tiny.
+            models.Index(
+                fields=["created_at"],
+                condition=NAMES_A_SHARED_REFERENCE,
+                name="event_shared_reference_time",
             ),
         ]
 

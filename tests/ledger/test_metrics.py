@@ -99,8 +99,24 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
     for n in range(5):
         flagged(api, f"inv-{n}")
     seal_events()
-    with django_assert_num_queries(7):
+    with django_assert_num_queries(8):
         scrape(client)
+
+
+def test_shared_references_of_the_last_hour_are_counted_by_kind(
+    api: Api, api_b: Api, refund: Capability
+) -> None:
+    for n, runtime in ((1, api), (2, api), (3, api_b)):
+        runtime.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        runtime.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference="RF-1")
+    recorded = Event.objects.filter(kind="outcome_recorded").latest("created_at").created_at
+
+    now = samples(exposition(now=recorded))
+    later = samples(exposition(now=recorded + dt.timedelta(hours=1, seconds=1)))
+
+    # inv-2 names inv-1 by id; inv-3, of another runtime, counts both.
+    assert now[("ledger_shared_references_last_hour", (("kind", "outcome_recorded"),))] == 2
+    assert not any(name == "ledger_shared_references_last_hour" for name, _ in later)
 
 
 def behind(figures: dict[tuple[str, tuple[tuple[str, str], ...]], float], work: str) -> float:
