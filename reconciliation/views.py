@@ -26,7 +26,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from ledger import chain, policy
 from ledger.audit import invocations_naming
 from ledger.metrics import background_work
-from ledger.models import Event, Invocation
+from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
 from ledger.services import LedgerError, event_body
 from reconciliation import services
@@ -445,6 +445,9 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         .order_by("-n")[:20],
         "probes": probes,
         "failure_rate": (probes["failed"] / probes["runs"]) if probes["runs"] else None,
+        "shared_references": Event.objects.filter(
+            NAMES_A_SHARED_REFERENCE, created_at__gte=hour_ago
+        ).count(),
         "work": background_work(),
     }
     return render(request, "reconciliation/dashboard.html", context)

@@ -546,6 +546,21 @@ def test_the_invocation_page_calls_a_capability_undeclared_only_as_the_api_does(
     assert "unknown.tool (undeclared, risk high)" in undeclared
 
 
+def test_the_dashboard_counts_the_last_hours_shared_references(
+    inv_2_names_rf_981: None, api: Api, compliance: Client
+) -> None:
+    def shared_card() -> str:
+        page = compliance.get("/dashboard/").content.decode()
+        return page.split('id="shared-references"')[1].split("</section>")[0]
+
+    assert '<p class="big">0</p>' in shared_card()  # inv-2 was the first to name RF-981
+    api.intent(invocation_id="inv-3", idempotency_key="key-3", attempt_id="a1")
+    api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-981")
+    card = shared_card()
+    assert '<p class="big">1</p>' in card
+    assert 'href="/audit/?flag=reference_shared"' in card
+
+
 def test_the_dashboard_counts_every_status_at_most_once_a_minute(
     api: Api, refund: Capability, operator: Client, compliance: Client
 ) -> None:
