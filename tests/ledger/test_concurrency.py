@@ -154,8 +154,11 @@ def event_inserts_held() -> Iterator[Callable[[int], None]]:
     holder.execute("LOCK TABLE ledger_event IN SHARE MODE")
 
     def wait_for_waiters(count: int) -> None:
-        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        for _ in range(500):
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        for _ in range(3000):  # 30 s, for a slow machine
             row = holder.execute(waiting).fetchone()
             if row is not None and row[0] >= count:
                 return
