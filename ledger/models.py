@@ -309,6 +309,12 @@ class Invocation(models.Model):
                 | (~Q(status=policy.Status.IN_FLIGHT.value) & Q(in_flight_attempt="")),
                 name="invocation_in_flight_has_attempt_and_deadline",
             ),
+            # The queue orders and pages by how long each has waited.
+            models.CheckConstraint(
+                condition=~Q(status__in=sorted(s.value for s in policy.NEEDS_RECONCILIATION))
+                | Q(flagged_at__isnull=False),
+                name="invocation_flagged_has_flagged_at",
+            ),
         ]
         indexes = [
             # GET /api/v1/invocations?task_id=… (keyset on id within one runtime)

@@ -61,7 +61,8 @@ RISK_FIRST = Case(
 
 def queue_position(invocation: Invocation) -> QueuePosition:
     """Where this row stands in the queue's order, for the next page to start after."""
-    assert invocation.flagged_at is not None, "a flagged invocation is timed by its event"
+    # invocation_flagged_has_flagged_at: PostgreSQL keeps every flagged row timed.
+    assert invocation.flagged_at is not None
     rank = RISK_RANK.get(invocation.risk_level, MAX_RISK_RANK)
     return QueuePosition(rank, invocation.flagged_at, invocation.pk)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import datetime as dt
 import importlib
 
+import pytest
 from django.contrib.auth.models import Group, User
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 from django.test import Client
 
 from ledger import policy
@@ -82,8 +83,21 @@ def test_the_migration_recovers_the_wait_from_the_events(api: Api, refund: Capab
         recorded[i] for i in ("waiting", "touched", "flagged-twice")
     )
     with connection.cursor() as cursor:
+        # As before 0021, when no flagged row had its time (0027's check came after).
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")  # no checks pending, as ALTER asks
+        cursor.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conname = 'invocation_flagged_has_flagged_at'"
+        )
+        (check,) = cursor.fetchone()  # type: ignore[misc]
+        cursor.execute(
+            "ALTER TABLE ledger_invocation DROP CONSTRAINT invocation_flagged_has_flagged_at"
+        )
         cursor.execute("UPDATE ledger_invocation SET flagged_at = NULL")
         cursor.execute(backfill.BACKFILL.format(flagged=backfill.FLAGGED))
+        # The backfill leaves no flagged row untimed: the check holds again.
+        name = "invocation_flagged_has_flagged_at"
+        cursor.execute(f"ALTER TABLE ledger_invocation ADD CONSTRAINT {name} {check}")
     assert dict(Invocation.objects.values_list("invocation_id", "flagged_at")) == recorded
 
 
@@ -128,3 +142,23 @@ def test_the_queue_says_how_long_each_invocation_has_waited(api: Api, refund: Ca
     waits = {row.split("/invocations/")[1].split("/")[0]: row for row in rows}
     assert "under a minute</time>" in waits["fresh"]
     assert "2\xa0hours, 3\xa0minutes</time>" in waits["old"]
+
+
+@pytest.mark.parametrize("status", ["reconciliation_required", "escalated"])
+def test_postgres_refuses_a_flagged_invocation_without_its_wait(
+    api: Api, refund: Capability, status: str
+) -> None:
+    """The queue orders and pages by flagged_at, so no flagged row may lack it, even one
+    written around the services."""
+    api.intent(attempt_id="a1")
+    with (
+        pytest.raises(IntegrityError, match="invocation_flagged_has_flagged_at"),
+        transaction.atomic(),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute(
+            "UPDATE ledger_invocation SET status = %s, in_flight_attempt = '', "
+            "deadline_at = NULL, flagged_at = NULL",
+            [status],
+        )
+    assert Invocation.objects.get().status == "in_flight"

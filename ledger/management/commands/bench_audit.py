@@ -35,7 +35,7 @@ COLUMNS = (
     "idempotency_key", "arguments_digest", "traceparent", "created_at", "hint_readonly",
     "hint_idempotency_verified", "max_attempts", "timeout_ms", "grace_ms", "risk_level",
     "status", "failure_class", "cause", "resolution", "flags", "attempt_count",
-    "in_flight_attempt", "event_count", "head_hash", "updated_at",
+    "in_flight_attempt", "event_count", "head_hash", "updated_at", "flagged_at",
 )  # fmt: skip
 STATUSES = ("succeeded", "succeeded", "succeeded", "failed", "retry_allowed", "escalated")
 
@@ -110,11 +110,13 @@ class Command(BaseCommand):
                     created = start + dt.timedelta(seconds=n * 31_536_000 // count)
                     head = self.event_hash(n, created)
                     flags = "{undeclared}" if n % 50 == 0 else "{}"
+                    status = STATUSES[n % len(STATUSES)]
+                    flagged_at = created if status == "escalated" else None
                     copy.write_row((
                         f"inv-{n}", runtimes[n % 2], f"task-{n % 50_000}", f"cap.{n % 20}",
                         f"customer:{n % 10_000}", f"key-{n}", "sha256:" + "0" * 64, "",
                         created, False, False, 5, 30000, 60000, "medium",
-                        STATUSES[n % len(STATUSES)], "", "", "", flags, 1, "", 1, head, created,
+                        status, "", "", "", flags, 1, "", 1, head, created, flagged_at,
                     ))  # fmt: skip
             # As event_actor and event_data, which event_hash's body holds: every tenth
             # event names a business reference, and every reference is named by two.
