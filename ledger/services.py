@@ -178,6 +178,8 @@ class _Work:
             ids={item.invocation_id for item in items},
             scopes={item.capability for item in intents},
             keys={item.idempotency_key for item in intents},
+            # Every outcome's reference, not only a success's: a failure or a conflicting
+            # claim names one in its event too, and flush would otherwise read it again.
             references={item.business_reference for item in items if isinstance(item, OutcomeInput)}
             - {""},
         )

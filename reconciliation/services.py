@@ -151,8 +151,7 @@ def record_probe_result(
             found_under = result.business_reference if result.finding is Finding.PRESENT else ""
             others = _others_naming(invocation, found_under)
             if others:
-                data.update(shared_reference_data(others, invocation.runtime_id))
-                shared = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
+                shared = _counted_as_shared(invocation, state, data, others)
                 invocation.apply_state(policy.escalate(shared, policy.Cause.REFERENCE_SHARED))
                 return data
             invocation.apply_state(
@@ -190,6 +189,18 @@ def _others_naming(invocation: Invocation, reference: str) -> dict[str, int]:
         reference, besides=invocation.invocation_id, limit=SHARED_NAMED_LIMIT
     )
     return {other.invocation_id: other.runtime_id for other in others}
+
+
+def _counted_as_shared(
+    invocation: Invocation,
+    state: policy.InvocationState,
+    data: dict[str, Any],
+    others: dict[str, int],
+) -> policy.InvocationState:
+    """The event's data records the other invocations naming the reference (as a
+    runtime may read them), and the state is flagged for compliance."""
+    data.update(shared_reference_data(others, invocation.runtime_id))
+    return policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
 
 
 def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
@@ -267,8 +278,7 @@ def invocation_resolve(
             if others and not shared_reference_confirmed:
                 raise SharedReference(business_reference, sorted(others))
             if others:
-                data.update(shared_reference_data(others, invocation.runtime_id))
-                state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
+                state = _counted_as_shared(invocation, state, data, others)
         try:
             if invocation.risk_level == "high":
                 invocation.apply_state(policy.propose(state))
@@ -325,8 +335,7 @@ def invocation_approve(
             data.pop("also_named_by", None)
             data.pop("also_named_elsewhere", None)
             if others:
-                data.update(shared_reference_data(others, invocation.runtime_id))
-                state = policy.with_flag(state, policy.Flag.REFERENCE_SHARED)
+                state = _counted_as_shared(invocation, state, data, others)
         invocation.apply_state(policy.resolve(state, invocation.hints(), effect))
         invocation.proposal = None
         _clear_lease(invocation)

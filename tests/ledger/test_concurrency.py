@@ -158,7 +158,9 @@ def event_inserts_held() -> Iterator[Callable[[int], None]]:
             "SELECT count(*) FROM pg_stat_activity "
             "WHERE datname = current_database() AND wait_event_type = 'Lock'"
         )
-        for _ in range(3000):  # 30 s, for a slow machine
+        # Polled: another connection's wait is seen only in pg_stat_activity, with
+        # nothing to block on until it shows. Up to 30 s, for a slow machine.
+        for _ in range(3000):
             row = holder.execute(waiting).fetchone()
             if row is not None and row[0] >= count:
                 return
