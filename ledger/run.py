@@ -102,10 +102,10 @@ def main() -> int:
             "--threads", os.environ.get("WEB_THREADS", "8"), "--access-logfile", "-",
         ],
         "worker": [
-            python, "-m", "celery", "-A", "ledger", "worker", "--loglevel", "INFO",
+            python, "-m", "celery", "-A", "ledger", "worker",
             "--concurrency", os.environ.get("WORKER_CONCURRENCY", "2"),
         ],
-        "beat": [python, "-m", "celery", "-A", "ledger", "beat", "--loglevel", "INFO"],
+        "beat": [python, "-m", "celery", "-A", "ledger", "beat"],
     }  # fmt: skip
     children = {name: start(command) for name, command in commands.items()}
     print(

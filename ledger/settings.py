@@ -269,8 +269,9 @@ LEDGER_DEFAULT_GRACE_MS = env_int("LEDGER_DEFAULT_GRACE_MS", 60_000)
 LEDGER_DEFAULT_MAX_ATTEMPTS = env_int("LEDGER_DEFAULT_MAX_ATTEMPTS", 5)
 
 # Celery: a real broker always. Embedded default is Kombu's filesystem transport,
-# which delivers between processes on one machine with nothing to install.
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
+# which delivers between processes on one machine with nothing to install (the host
+# is named only so that Kombu does not warn, at every start, that none was).
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://localhost//")
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
 if CELERY_BROKER_URL.startswith("filesystem://"):
     _queue_dir = str(EMBEDDED_BROKER_DIR / "queue")
@@ -337,6 +338,15 @@ LOGGING = {
         },
     },
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    # One line per probe request is noise; the probe_run event records each one.
-    "loggers": {"httpx": {"level": "WARNING"}},
+    "loggers": {
+        # One line per probe request is noise; the probe_run event records each one.
+        "httpx": {"level": "WARNING"},
+        # Beat sends the sweep every few seconds: a line for each sending, receipt and
+        # success would bury the lines that say something. The tasks log what they
+        # did (sweep flagged=, sealed, probe), and a task that fails still logs an
+        # error through celery.app.trace.
+        "celery.beat": {"level": "WARNING"},
+        "celery.worker.strategy": {"level": "WARNING"},
+        "celery.app.trace": {"level": "WARNING"},
+    },
 }

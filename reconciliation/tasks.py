@@ -47,4 +47,9 @@ def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
     settled = services.record_probe_result(
         invocation_id=invocation_id, worker=worker, result=result
     )
-    return "recorded" if settled is not None else "lease lost"
+    finding = result.finding if result is not None else "no_probe"
+    if settled is None:
+        log.info("probe invocation=%s finding=%s lease_lost", invocation_id, finding)
+        return "lease lost"
+    log.info("probe invocation=%s finding=%s status=%s", invocation_id, finding, settled.status)
+    return "recorded"

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,23 +57,32 @@ class Workers:
     env: dict[str, str]
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start(self, **env: str) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "ledger", "worker", "--pool", "solo",
-             "--loglevel", "WARNING", "--without-gossip", "--without-mingle",
+    def start(self, *, log: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
+        """A worker; its log (standard error) goes to `log` if given."""
+        return self._run(
+            ["worker", "--pool", "solo", "--without-gossip", "--without-mingle",
              "--without-heartbeat", "-n", f"w{len(self.processes)}@%h"],
-            cwd=ROOT, env={**self.env, **env},
+            log, env,
         )  # fmt: skip
-        self.processes.append(process)
-        return process
 
-    def beat(self, tmp_path: Path, **env: str) -> subprocess.Popen[bytes]:
+    def beat(
+        self, tmp_path: Path, *, log: Path | None = None, **env: str
+    ) -> subprocess.Popen[bytes]:
         """Celery beat on the project's static schedule (the sweep every second)."""
-        process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "ledger", "beat", "--loglevel", "WARNING",
-             "--schedule", str(tmp_path / "beat-schedule")],
-            cwd=ROOT, env={**self.env, "LEDGER_SWEEP_INTERVAL_SECONDS": "1", **env},
-        )  # fmt: skip
+        return self._run(
+            ["beat", "--schedule", str(tmp_path / "beat-schedule")],
+            log,
+            {"LEDGER_SWEEP_INTERVAL_SECONDS": "1", **env},
+        )
+
+    def _run(
+        self, arguments: list[str], log: Path | None, env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
+        with open(log, "wb") if log else nullcontext(None) as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "ledger", *arguments],
+                cwd=ROOT, env={**self.env, "LOG_LEVEL": "WARNING", **env}, stderr=stderr,
+            )  # fmt: skip
         self.processes.append(process)
         return process
 

@@ -4,6 +4,7 @@ PostgreSQL and the stand-in payments service: the scenarios of DESIGN section 6.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import socket
 import subprocess
 import time
@@ -151,10 +152,10 @@ def test_a_broker_outage_loses_no_invocation(
     ]  # fmt: skip
     broker = subprocess.Popen(redis, stdout=subprocess.DEVNULL)
     try:
-        private = {"CELERY_BROKER_URL": f"redis://127.0.0.1:{port}/0"}
+        private_broker = f"redis://127.0.0.1:{port}/0"
         time.sleep(0.5)
-        workers.start(**private)
-        workers.beat(tmp_path, **private)
+        workers.start(CELERY_BROKER_URL=private_broker)
+        workers.beat(tmp_path, CELERY_BROKER_URL=private_broker)
         broker.terminate()
         broker.wait(timeout=10)
         for n in range(5):
@@ -233,3 +234,39 @@ def test_metrics_report_a_killed_beat_and_its_return(
     workers.beat(tmp_path)
     wait_for(lambda: status_of("inv-2") == "escalated")
     assert sweeper_behind() == 0
+
+
+def test_worker_and_beat_log_what_they_did_in_the_web_format(
+    api: Api, refund: Capability, workers: Workers, tmp_path: Path
+) -> None:
+    """Every process logs through settings.LOGGING, and a sweep that finds nothing
+    says nothing: beat's sending, the worker's receipt and its success would be three
+    lines a sweep, every few seconds, around the lines that say something."""
+    worker_log, beat_log = tmp_path / "worker.log", tmp_path / "beat.log"
+    workers.start(log=worker_log, LOG_LEVEL="INFO")
+    workers.beat(tmp_path, log=beat_log, LOG_LEVEL="INFO")
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    Invocation.objects.filter(invocation_id="inv-1").update(
+        deadline_at=timezone.now() - dt.timedelta(seconds=20)
+    )
+    wait_for(lambda: status_of("inv-1") == "escalated")  # swept, then no probe
+    # Not a wait for something to happen: three more sweeps at one a second, with
+    # nothing to find, and nothing they may log.
+    time.sleep(3)
+    workers.stop_all()
+
+    def records(log: Path) -> list[str]:
+        """The log's records: each starts a line with its time (a warning's text may
+        run on over more lines), and nothing comes before the first."""
+        before_first, *records = re.split(r"^(?=\d{4}-\d\d-\d\d )", log.read_text(), flags=re.M)
+        assert before_first == ""
+        return records
+
+    worker, beat = records(worker_log), records(beat_log)
+    structured = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} level=[A-Z]+ logger=\S+ ")
+    assert [record for record in worker + beat if not structured.match(record)] == []
+    said = [record.split(" ", 4)[-1].strip() for record in worker]
+    assert said.count("sweep flagged=1") == 1
+    assert said.count("probe invocation=inv-1 finding=no_probe status=escalated") == 1
+    assert not [record for record in worker if "received" in record or "succeeded in" in record]
+    assert not [record for record in beat if "Sending due task" in record]
