@@ -31,6 +31,7 @@ import contextlib
 import datetime as dt
 import http.client
 import json
+import logging
 import multiprocessing
 import os
 import socket
@@ -550,6 +551,9 @@ class Command(BaseCommand):
                 )
                 ids = sweeper.due_for_probe(batch=overdue)
                 threads = 4
+                # A worker logs each probe it runs: a thousand such lines would bury
+                # the report, and writing them would be timed with the probes.
+                logging.getLogger("reconciliation.tasks").setLevel(logging.WARNING)
 
                 def settle(invocation_id: str) -> str:
                     try:
