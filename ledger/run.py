@@ -98,8 +98,9 @@ def main() -> int:
     commands = {
         "web": [
             python, "-m", "gunicorn", "ledger.wsgi", "--bind", BIND,
-            "--worker-class", "gthread", "--workers", os.environ.get("WEB_WORKERS", "2"),
-            "--threads", os.environ.get("WEB_THREADS", "8"), "--access-logfile", "-",
+            "--config", "python:ledger.gunicorn_conf", "--worker-class", "gthread",
+            "--workers", os.environ.get("WEB_WORKERS", "2"),
+            "--threads", os.environ.get("WEB_THREADS", "8"),
         ],
         "worker": [
             python, "-m", "celery", "-A", "ledger", "worker",

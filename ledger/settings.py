@@ -319,14 +319,12 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
 }
 
 LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO")
+# Every process's records, gunicorn's own included (ledger/gunicorn_conf.py).
+LOG_FORMAT = "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {
-        "structured": {
-            "format": "%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        },
-    },
+    "formatters": {"structured": {"format": LOG_FORMAT}},
     # The level is the handler's as well as the root's: a record from a named logger
     # ("django.request" logs every 404 as a warning) reaches the root's handlers
     # without passing the root's own level.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,6 +19,10 @@ import pytest
 
 from ledger import run
 from tests.conftest import ROOT, answers_200, process_env, wait_for
+
+# A record as settings.LOG_FORMAT writes it.
+TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+RECORD = re.compile(TIME + r" level=[A-Z]+ logger=\S+ ")
 
 START = (
     "from ledger.run import start_embedded_postgres; server = start_embedded_postgres(); "
@@ -159,17 +164,22 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(transactional_db: None) -> None:
+def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
+    transactional_db: None, tmp_path: Path
+) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # In a session of its own, like `make run` in a terminal: Ctrl-C signals its group.
-    ledger = subprocess.Popen(
-        [sys.executable, "-m", "ledger.run"],
-        cwd=ROOT,
-        env={**process_env(), "LEDGER_BIND": f"127.0.0.1:{port}", "WEB_WORKERS": "2"},
-        start_new_session=True,
-    )
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+        ledger = subprocess.Popen(
+            [sys.executable, "-m", "ledger.run"],
+            cwd=ROOT,
+            env={**process_env(), "LEDGER_BIND": f"127.0.0.1:{port}", "WEB_WORKERS": "2"},
+            start_new_session=True,
+            stdout=out,
+            stderr=err,
+        )
     processes: set[int] = set()
     try:
         wait_for(functools.partial(answers_200, f"http://127.0.0.1:{port}/readyz"), seconds=120)
@@ -183,6 +193,17 @@ def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(transactional_db: N
         assert processes.isdisjoint(live_processes())
         with socket.socket() as sock:
             assert sock.connect_ex(("127.0.0.1", port)) != 0
+        # gunicorn's own lines and its access log take the ledger's format too.
+        err_lines = (tmp_path / "err").read_text().splitlines()
+        booted = [line for line in err_lines if "Booting worker with pid" in line]
+        assert len(booted) == 2
+        assert all(RECORD.match(line) for line in booted)
+        assert all("level=INFO logger=gunicorn.error " in line for line in booted)
+        readyz = re.compile(
+            TIME + r' level=INFO logger=gunicorn\.access remote=127\.0\.0\.1 request="GET /readyz '
+            r'HTTP/1\.1" status=200 bytes=\d+ duration_ms=\d+ agent="'
+        )
+        assert any(readyz.match(line) for line in (tmp_path / "out").read_text().splitlines())
     finally:
         ledger.kill()
         ledger.wait()
