@@ -57,10 +57,11 @@ class QueueFilterForm(forms.Form):
     )
     # Bounded: a timedelta of 10**20 minutes overflows (a 500 found by fuzzing the queue).
     older_than_minutes = forms.IntegerField(
-        required=False, min_value=0, max_value=TEN_YEARS_IN_MINUTES, label="older than (min)"
+        required=False, min_value=0, max_value=TEN_YEARS_IN_MINUTES, label="Older than (min)"
     )
     mine = forms.ChoiceField(
         required=False,
+        label="On it",
         choices=[("", "everyone's"), ("mine", "claimed by me"), ("unclaimed", "unclaimed")],
     )
     # Set by the queue's "next page" link, never by the filter form itself: changing

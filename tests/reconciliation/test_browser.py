@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from axe_playwright_python.sync_playwright import Axe
 from django.contrib.auth.models import Group, User
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
@@ -230,6 +231,56 @@ def test_no_page_logs_an_error_in_the_browser(
     expect(page.locator(".swagger-ui .info .title")).to_contain_text("Invocation Ledger API")
     expect(page.locator(".opblock").first).to_be_visible()
     assert errors == []
+
+
+def axe_violations(page: Page) -> list[str]:
+    """What axe-core finds on the page as it stands: a line per rule and element."""
+    page.wait_for_load_state("load")
+    violations = Axe().run(page).response["violations"]
+    return [f"{v['impact']} {v['id']}: {node['target']}" for v in violations for node in v["nodes"]]
+
+
+def test_axe_finds_nothing_on_any_console_page_in_any_state(
+    browser: Browser, live_server: Any, flagged: None, api: Api
+) -> None:
+    """axe-core, the engine behind Lighthouse's accessibility audit, checks each page
+    in the states an operator meets it in: logged out and refused, a filter refused,
+    a flagged invocation to resolve, a reference to confirm, a proposal to approve."""
+    base = live_server.url
+    found: dict[str, list[str]] = {}
+
+    visitor = browser.new_context().new_page()
+    visitor.goto(f"{base}/accounts/login/")
+    found["login"] = axe_violations(visitor)
+    visitor.fill("#id_username", "nobody")
+    visitor.fill("#id_password", "wrong")
+    visitor.click("button[type=submit]")
+    expect(visitor.locator(".errorlist, .errornote, .error").first).to_be_visible()
+    found["login refused"] = axe_violations(visitor)
+
+    olga = propose_as_olga(browser, base, True)
+    found["proposal, to its proposer"] = axe_violations(olga)
+    api.intent(invocation_id="inv-3", idempotency_key="k-3", attempt_id="a1")
+    api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-4471")
+    olga.goto(f"{base}/invocations/inv-1/")
+    found["flagged invocation"] = axe_violations(olga)
+    resolve_as_present(olga, f"{base}/invocations/inv-1/", "RF-4471")
+    expect(olga.locator("form.resolve")).to_contain_text(
+        "RF-4471 is already named by inv-2, inv-3."
+    )
+    found["reference to confirm"] = axe_violations(olga)
+
+    abe = log_in(browser, base, "abe", True)
+    abe.goto(f"{base}/invocations/inv-2/")
+    expect(abe.locator(".proposal button[type=submit]")).to_be_visible()
+    found["proposal, to an approver"] = axe_violations(abe)
+    for path in ("/", "/?older_than_minutes=soon", "/dashboard/", "/audit/",
+                 "/audit/?capability=refund.create", "/audit/?since=yesterday",
+                 "/audit/actions/", "/audit/verify/?run=1", "/invocations/inv-3/"):  # fmt: skip
+        abe.goto(f"{base}{path}")
+        found[path] = axe_violations(abe)
+
+    assert {state: lines for state, lines in found.items() if lines} == {}
 
 
 def test_screenshots_of_the_console(
