@@ -224,7 +224,8 @@ def test_no_page_logs_an_error_in_the_browser(
     page = log_in(browser, live_server.url, "ada", True, errors)
     for path in ("/", "/dashboard/", "/invocations/inv-2/", "/audit/", "/audit/actions/",
                  "/audit/verify/?run=1"):  # fmt: skip
-        page.goto(f"{live_server.url}{path}")
+        response = page.goto(f"{live_server.url}{path}")
+        assert response is not None and response.status == 200, path
         page.wait_for_load_state("load")
         expect(page.locator("h1")).to_be_visible()
     page.goto(f"{live_server.url}/api/docs/")
@@ -233,11 +234,18 @@ def test_no_page_logs_an_error_in_the_browser(
     assert errors == []
 
 
-def axe_violations(page: Page) -> list[str]:
-    """What axe-core finds on the page as it stands: a line per rule and element."""
+def accessibility_problems(page: Page) -> list[str]:
+    """What axe-core finds on the page as it stands, a line per rule and element, and
+    a title that is not the page's name in plain text (what a tab or a screen reader
+    announces first)."""
     page.wait_for_load_state("load")
     violations = Axe().run(page).response["violations"]
-    return [f"{v['impact']} {v['id']}: {node['target']}" for v in violations for node in v["nodes"]]
+    found = [
+        f"{v['impact']} {v['id']}: {node['target']}" for v in violations for node in v["nodes"]
+    ]
+    if not re.fullmatch(r"[^<>\n]+ · Invocation Ledger", page.title()):
+        found.append(f"title {page.title()!r}")
+    return found
 
 
 def test_axe_finds_nothing_on_any_console_page_in_any_state(
@@ -251,34 +259,35 @@ def test_axe_finds_nothing_on_any_console_page_in_any_state(
 
     visitor = browser.new_context().new_page()
     visitor.goto(f"{base}/accounts/login/")
-    found["login"] = axe_violations(visitor)
+    found["login"] = accessibility_problems(visitor)
     visitor.fill("#id_username", "nobody")
     visitor.fill("#id_password", "wrong")
     visitor.click("button[type=submit]")
     expect(visitor.locator(".errorlist, .errornote, .error").first).to_be_visible()
-    found["login refused"] = axe_violations(visitor)
+    found["login refused"] = accessibility_problems(visitor)
 
     olga = propose_as_olga(browser, base, True)
-    found["proposal, to its proposer"] = axe_violations(olga)
+    found["proposal, to its proposer"] = accessibility_problems(olga)
     api.intent(invocation_id="inv-3", idempotency_key="k-3", attempt_id="a1")
     api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-4471")
     olga.goto(f"{base}/invocations/inv-1/")
-    found["flagged invocation"] = axe_violations(olga)
+    found["flagged invocation"] = accessibility_problems(olga)
     resolve_as_present(olga, f"{base}/invocations/inv-1/", "RF-4471")
     expect(olga.locator("form.resolve")).to_contain_text(
         "RF-4471 is already named by inv-2, inv-3."
     )
-    found["reference to confirm"] = axe_violations(olga)
+    found["reference to confirm"] = accessibility_problems(olga)
 
     abe = log_in(browser, base, "abe", True)
     abe.goto(f"{base}/invocations/inv-2/")
     expect(abe.locator(".proposal button[type=submit]")).to_be_visible()
-    found["proposal, to an approver"] = axe_violations(abe)
+    found["proposal, to an approver"] = accessibility_problems(abe)
     for path in ("/", "/?older_than_minutes=soon", "/dashboard/", "/audit/",
                  "/audit/?capability=refund.create", "/audit/?since=yesterday",
                  "/audit/actions/", "/audit/verify/?run=1", "/invocations/inv-3/"):  # fmt: skip
-        abe.goto(f"{base}{path}")
-        found[path] = axe_violations(abe)
+        response = abe.goto(f"{base}{path}")
+        assert response is not None and response.status == 200, path
+        found[path] = accessibility_problems(abe)
 
     assert {state: lines for state, lines in found.items() if lines} == {}
 
