@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from django.db import connection, transaction
 from django.db.models import Max, Min, Q
@@ -16,7 +17,7 @@ from django.utils import timezone
 
 from ledger import chain
 from ledger.models import Event, Invocation, Seal, SealedEvent
-from ledger.services import event_body
+from ledger.services import LedgerError, event_body, invocation_transition
 from ledger.verify_bundle import merkle_root
 
 # Events are written by single statements that take milliseconds; an event committed
@@ -106,48 +107,124 @@ class Report:
         return not self.breaks
 
 
-def _chain_breaks(invocation: Invocation, events: list[Event]) -> Iterator[Break]:
+def _link_breaks(invocation_id: str, events: list[Event]) -> Iterator[Break]:
+    """The first broken link among the events themselves, if any."""
     prev = chain.GENESIS_HASH
     for expected_seq, event in enumerate(events, start=1):
-        where = f"invocation {invocation.invocation_id} event #{expected_seq}"
+        where = f"invocation {invocation_id} event #{expected_seq}"
         if event.seq != expected_seq:
             yield Break("chain", where, f"seq {expected_seq}", f"seq {event.seq}")
             return
         if event.prev_hash != prev:
             yield Break("chain", where, f"prev_hash {prev}", f"prev_hash {event.prev_hash}")
             return
-        computed = chain.event_hash(event.prev_hash, event_body(event, invocation.invocation_id))
+        computed = chain.event_hash(event.prev_hash, event_body(event, invocation_id))
         if computed != event.hash:
             yield Break("chain", where, f"hash {computed}", f"hash {event.hash}")
             return
         prev = event.hash
-    if invocation.head_hash != prev or invocation.event_count != len(events):
+
+
+def _chain_breaks(invocation: Invocation, events: list[Event]) -> Iterator[Break]:
+    broken = list(_link_breaks(invocation.invocation_id, events))
+    yield from broken
+    if not broken and _head_differs(invocation, events[-1]):
         yield Break(
             "chain",
             f"invocation {invocation.invocation_id} head",
-            f"{len(events)} events ending {prev}",
+            f"{len(events)} events ending {events[-1].hash}",
             f"{invocation.event_count} events ending {invocation.head_hash}",
         )
 
 
-PROJECTED = ("status", "failure_class", "cause", "resolution", "flags", "attempt_count")
+def _head_differs(invocation: Invocation, last: Event) -> bool:
+    return (invocation.event_count, invocation.head_hash) != (last.seq, last.hash)
+
+
+# What each event records of its invocation's state (services._state_summary, where a
+# blank column is recorded as null): what a projection is checked against and put back to.
+RECORDED = (
+    "status",
+    "failure_class",
+    "cause",
+    "resolution",
+    "flags",
+    "attempt_count",
+    "in_flight_attempt",
+)
+BLANK_AS_NULL = frozenset({"failure_class", "cause", "resolution", "in_flight_attempt"})
+
+
+def _projection_differences(invocation: Invocation, last: Event) -> dict[str, tuple[Any, Any]]:
+    """Each field whose column differs from what the last event recorded: (recorded, found)."""
+    state = last.data.get("state", {})
+    differences = {}
+    for name in RECORDED:
+        if name not in state:
+            continue  # not recorded by the events of this invocation's time
+        found = getattr(invocation, name)
+        if name in BLANK_AS_NULL:
+            found = found or None
+        if state[name] != found:
+            differences[name] = (state[name], found)
+    return differences
 
 
 def _projection_breaks(invocation: Invocation, last: Event) -> Iterator[Break]:
     """The projection must equal the state the last event recorded."""
-    state = last.data.get("state", {})
-    for name in PROJECTED:
-        recorded = state.get(name)
-        current = getattr(invocation, name)
-        if name in ("failure_class", "cause", "resolution"):
-            current = current or None
-        if recorded != current:
-            yield Break(
-                "projection",
-                f"invocation {invocation.invocation_id} {name}",
-                repr(recorded),
-                repr(current),
+    for name, (recorded, found) in _projection_differences(invocation, last).items():
+        yield Break(
+            "projection",
+            f"invocation {invocation.invocation_id} {name}",
+            repr(recorded),
+            repr(found),
+        )
+
+
+def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[str, Any]:
+    """Put an invocation's row back to what its events say, with an event that records
+    the restoring: each field found changed, what was found and what the events say.
+    Returns that event's `restored` (empty, and nothing written, when the row agrees).
+
+    The chain of events must verify first. A row is restored from intact evidence
+    only; a broken chain is for a person to take up with backups and the sealer's
+    logged hashes, and is refused here (409 chain_broken, nothing written). Columns
+    that no event records (deadline, lease, claim) are left as they are.
+    """
+    restored: dict[str, Any] = {}
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        # Read inside the unit: if an event is appended meanwhile, the write loses its
+        # race and this is asked again with that event.
+        events = list(Event.objects.filter(invocation=invocation.pk).order_by("seq", "id"))
+        broken = next(_link_breaks(invocation_id, events), None)
+        if broken is not None or not events:
+            where = broken or f"invocation {invocation_id}: it has no events"
+            raise LedgerError(
+                "chain_broken",
+                f"{where}. The row was not restored from a broken chain.",
+                status=409,
             )
+        last = events[-1]
+        restored.clear()
+        for name, (recorded, found) in _projection_differences(invocation, last).items():
+            restored[name] = {"found": found, "recorded": recorded}
+            blank = "" if name in BLANK_AS_NULL else recorded
+            setattr(invocation, name, recorded if recorded is not None else blank)
+        if _head_differs(invocation, last):
+            restored["head"] = {
+                "found": [invocation.event_count, invocation.head_hash],
+                "recorded": [last.seq, last.hash],
+            }
+            invocation.event_count, invocation.head_hash = last.seq, last.hash
+        if not restored:
+            return None
+        return {"reason": reason, "restored": restored}
+
+    invocation_transition(
+        invocation_id=invocation_id, actor=actor, kind="projection_restored", change=change
+    )
+    return restored
 
 
 def time_window(since: dt.datetime | None, until: dt.datetime | None) -> Q:

@@ -7,11 +7,12 @@ import datetime as dt
 import io
 
 import pytest
+from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import IntegrityError, connection, transaction
 from django.db.utils import ProgrammingError
-from django.test import override_settings
+from django.test import Client, override_settings
 from django.utils import timezone
 
 from ledger import chain, services
@@ -111,6 +112,99 @@ def test_a_rewritten_projection_is_found(ledger: Api) -> None:
     assert [(b.where, b.expected, b.found) for b in breaks] == [
         ("invocation inv-1 status", "'succeeded'", "'failed'")
     ]
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="1 broken link"):
+        call_command("verify_ledger", "--projections", stdout=out)
+    assert "manage.py restore_projection INVOCATION_ID" in out.getvalue()
+
+
+def restore_command(*ids: str, by: str = "ada", reason: str = "INC-7: row edited by hand") -> str:
+    out = io.StringIO()
+    call_command("restore_projection", *ids, "--by", by, "--reason", reason, stdout=out)
+    return out.getvalue()
+
+
+@pytest.fixture
+def ada(db: None) -> None:
+    User.objects.create_user("ada").groups.add(Group.objects.get_or_create(name="admin")[0])
+
+
+def test_a_rewritten_projection_is_restored_from_its_events_on_the_record(
+    ledger: Api, ada: None
+) -> None:
+    """A row edited to let a refund whose outcome was lost be retried is put back to
+    what its events say, and its chain says who did that and why."""
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    services.flag_missing_evidence(invocation_id="inv-5", now=timezone.now() + dt.timedelta(days=1))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE ledger_invocation SET status = 'retry_allowed', failure_class = "
+            "'pre_dispatch_rejected', cause = '', event_count = 2, head_hash = repeat('0', 64) "
+            "WHERE invocation_id = 'inv-5'"
+        )
+    assert ledger.get("/api/v1/invocations/inv-5")[1]["retryable"] is True
+    assert [b.where for b in verify(projections=True).breaks] == [
+        "invocation inv-5 head",
+        "invocation inv-5 status",
+        "invocation inv-5 failure_class",
+        "invocation inv-5 cause",
+    ]
+
+    output = restore_command("inv-5", "inv-1")
+
+    assert "inv-5: restored status 'retry_allowed' -> 'reconciliation_required', " in output
+    assert "inv-1: agrees with its events; nothing written" in output
+    assert verify(projections=True).ok
+    _, body = ledger.get("/api/v1/invocations/inv-5")
+    assert (body["status"], body["failure_class"], body["retryable"]) == (
+        "reconciliation_required",
+        "post_dispatch_evidence_failed",
+        False,
+    )
+    assert ledger.attempt("inv-5", "a2")[1]["error"]["type"] == "attempt_refused"
+    restoring = Event.objects.get(invocation__invocation_id="inv-5", kind="projection_restored")
+    assert (restoring.seq, restoring.actor) == (4, "user:ada")
+    assert restoring.data["reason"] == "INC-7: row edited by hand"
+    assert restoring.data["restored"]["status"] == {
+        "found": "retry_allowed",
+        "recorded": "reconciliation_required",
+    }
+    assert restoring.data["restored"]["head"]["found"] == [2, "0" * 64]
+    assert Event.objects.filter(kind="projection_restored").count() == 1  # not for inv-1
+    client = Client()
+    client.force_login(User.objects.get(username="ada"))
+    action_log = client.get("/audit/actions/").content.decode()
+    assert "projection_restored" in action_log and "INC-7: row edited by hand" in action_log
+
+
+def test_a_projection_is_not_restored_from_a_broken_chain(ledger: Api, ada: None) -> None:
+    superuser_sql(
+        "UPDATE ledger_event SET data = jsonb_set(data, '{state,status}', '\"failed\"') "
+        "WHERE id = %s",
+        event_id("inv-2", 3),
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE ledger_invocation SET status = 'failed' WHERE invocation_id = 'inv-2'"
+        )
+    superuser_sql("DELETE FROM ledger_event WHERE id = %s", event_id("inv-4", 1))
+    err = io.StringIO()
+    with pytest.raises(CommandError, match="2 of 2 not restored"):
+        call_command(
+            "restore_projection", "inv-2", "inv-4", "--by", "ada", "--reason", "x", stderr=err
+        )
+    assert "inv-2: not restored: chain broken at invocation inv-2 event #3" in err.getvalue()
+    assert "inv-4: not restored: invocation inv-4: it has no events." in err.getvalue()
+    assert not Event.objects.filter(kind="projection_restored").exists()
+
+
+def test_only_an_admin_named_with_a_reason_restores(ledger: Api, ada: None) -> None:
+    User.objects.create_user("olga")
+    with pytest.raises(CommandError, match="'olga' is not an active console user"):
+        restore_command("inv-1", by="olga")
+    with pytest.raises(CommandError, match="--reason must say why"):
+        restore_command("inv-1", reason="  ")
+    assert not Event.objects.filter(kind="projection_restored").exists()
 
 
 def test_seals_number_events_contiguously_and_chain(ledger: Api) -> None:
@@ -186,9 +280,6 @@ def test_the_application_role_cannot_rewrite_evidence(ledger: Api) -> None:
 
 
 def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
-    from django.contrib.auth.models import Group, User
-    from django.test import Client
-
     reviewer = User.objects.create_user("cora", password="pw")
     reviewer.groups.add(Group.objects.get_or_create(name="compliance")[0])
     client = Client()

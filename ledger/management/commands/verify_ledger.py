@@ -33,6 +33,11 @@ class Command(BaseCommand):
             f"{report.invocations} invocations, {report.events} events, {report.seals} seals"
             + (f", {report.projections} projections" if projections else "")
         )
+        if any(broken.what == "projection" for broken in report.breaks):
+            self.stdout.write(
+                "A row that disagrees with intact events is put back from them by "
+                "`manage.py restore_projection INVOCATION_ID --by ADMIN --reason TEXT`."
+            )
         if not report.ok:
             raise CommandError(f"{len(report.breaks)} broken link(s) in {summary}")
         self.stdout.write(f"OK: {summary} verified")
