@@ -110,9 +110,10 @@ def main() -> int:
     }  # fmt: skip
     children = {name: start(command) for name, command in commands.items()}
     print(
-        f"ledger running: http://{BIND}/api/docs/ (web), Celery worker and beat. "
-        "Create a runtime token with `uv run python manage.py create_runtime NAME`. "
-        "Ctrl-C stops.",
+        f"ledger running (web, Celery worker and beat); Ctrl-C stops.\n"
+        f"  console   http://{BIND}/  (a login: uv run python manage.py createsuperuser)\n"
+        f"  API docs  http://{BIND}/api/docs/  (a runtime token: "
+        "uv run python manage.py create_runtime NAME)",
         flush=True,
     )
 
