@@ -106,6 +106,11 @@ class Report:
     def ok(self) -> bool:
         return not self.breaks
 
+    @property
+    def projections_broken(self) -> bool:
+        """Some row disagrees with its events (restore_projection puts it back)."""
+        return any(broken.what == "projection" for broken in self.breaks)
+
 
 def _link_breaks(invocation_id: str, events: list[Event]) -> Iterator[Break]:
     """The first broken link among the events themselves, if any."""

@@ -116,6 +116,11 @@ def test_a_rewritten_projection_is_found(ledger: Api) -> None:
     with pytest.raises(CommandError, match="1 broken link"):
         call_command("verify_ledger", "--projections", stdout=out)
     assert "manage.py restore_projection INVOCATION_ID" in out.getvalue()
+    client = Client()
+    client.force_login(User.objects.create_superuser("root"))
+    page = client.get("/audit/verify/", {"run": "1"}).content.decode()
+    assert "projection broken at invocation inv-1 status" in page
+    assert "manage.py restore_projection INVOCATION_ID" in page
 
 
 def restore_command(*ids: str, by: str = "ada", reason: str = "INC-7: row edited by hand") -> str:

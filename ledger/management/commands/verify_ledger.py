@@ -33,7 +33,7 @@ class Command(BaseCommand):
             f"{report.invocations} invocations, {report.events} events, {report.seals} seals"
             + (f", {report.projections} projections" if projections else "")
         )
-        if any(broken.what == "projection" for broken in report.breaks):
+        if report.projections_broken:
             self.stdout.write(
                 "A row that disagrees with intact events is put back from them by "
                 "`manage.py restore_projection INVOCATION_ID --by ADMIN --reason TEXT`."
