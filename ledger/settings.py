@@ -339,6 +339,11 @@ LOGGING = {
     "loggers": {
         # One line per probe request is noise; the probe_run event records each one.
         "httpx": {"level": "WARNING"},
+        # Django logs every 4xx as a warning: a runtime's refused request (a conflict,
+        # a replayed mistake, a burst past the throttle) is answered with its typed
+        # error, and the access log has its status. Failures of the ledger's own (5xx,
+        # with their traceback) are still logged; django.security's warnings too.
+        "django.request": {"level": "ERROR"},
         # Beat sends the sweep every few seconds: a line for each sending, receipt and
         # success would bury the lines that say something. The tasks log what they
         # did (sweep flagged=, sealed, probe), and a task that fails still logs an

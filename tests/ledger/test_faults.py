@@ -122,8 +122,8 @@ def test_the_console_says_the_database_is_unreachable_and_nothing_changed(
         assert response["Retry-After"] == "30"
 
 
-def test_a_console_bug_shows_the_ledgers_error_page(
-    refund: Capability, monkeypatch: pytest.MonkeyPatch
+def test_a_console_bug_shows_the_ledgers_error_page_and_is_logged(
+    refund: Capability, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def broken(*args: Any) -> None:
         raise RuntimeError("a bug")
@@ -132,3 +132,17 @@ def test_a_console_bug_shows_the_ledgers_error_page(
     response = operator_client(raise_request_exception=False).get("/")
     assert response.status_code == 500
     assert "Something went wrong on the ledger's side" in response.content.decode()
+    [logged] = [r for r in caplog.records if r.name == "django.request"]
+    assert (logged.levelname, logged.getMessage()) == ("ERROR", "Internal Server Error: /")
+    assert logged.exc_info is not None and "a bug" in str(logged.exc_info[1])
+
+
+def test_a_refused_request_is_answered_not_logged(
+    refund: Capability, api: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 4xx is the client's: it has its typed error, the access log its status."""
+    assert Client().get("/api/v1/invocations/inv-1").status_code == 401
+    assert api.get("/api/v1/invocations/no-such")[0] == 404
+    assert api.intent(invocation_id="inv-1", idempotency_key="k-1")[0] == 201
+    assert api.intent(invocation_id="inv-1", idempotency_key="k-2")[0] == 409
+    assert [r.getMessage() for r in caplog.records if r.name == "django.request"] == []

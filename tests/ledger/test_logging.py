@@ -9,10 +9,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# A named logger's record, as Django writes one for every 404, and an error.
+# A named logger's record, as django.security writes one for a refused CSRF token,
+# and an error.
 PROBE = (
     "import django, logging; django.setup(); "
-    "logging.getLogger('django.request').warning('probe-warning'); "
+    "logging.getLogger('django.security.csrf').warning('probe-warning'); "
     "logging.getLogger('ledger').error('probe-error')"
 )
 
@@ -35,5 +36,5 @@ def test_log_level_applies_to_records_from_named_loggers(
     level: str | None, warning_shown: bool
 ) -> None:
     output = logged(level)
-    assert ("level=WARNING logger=django.request probe-warning" in output) is warning_shown
+    assert ("level=WARNING logger=django.security.csrf probe-warning" in output) is warning_shown
     assert "level=ERROR logger=ledger probe-error" in output
