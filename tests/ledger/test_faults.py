@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from django.contrib.auth.models import Group, User
@@ -74,8 +75,11 @@ def test_a_database_session_killed_mid_write_leaves_nothing_half_written(
                     return
                 time.sleep(0.01)
 
+    writes_sent = []
+
     def kill_during_write(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
         if "new_invocation AS" in sql:
+            writes_sent.append(sql)
             # Hold the event table so the write stops mid-flight, then kill its session.
             admin.execute("LOCK TABLE ledger_event IN ACCESS EXCLUSIVE MODE")
             pid = context["connection"].connection.info.backend_pid
@@ -89,6 +93,8 @@ def test_a_database_session_killed_mid_write_leaves_nothing_half_written(
         admin.rollback()
         admin.close()
     assert (status, body["error"]["type"]) == (503, "ledger_unavailable")
+    # Sent once: what failed after it reached PostgreSQL is the runtime's to resend.
+    assert len(writes_sent) == 1
     connection.close()
     assert (Invocation.objects.count(), Attempt.objects.count(), Event.objects.count()) == (
         0,
@@ -146,3 +152,33 @@ def test_a_refused_request_is_answered_not_logged(
     assert api.intent(invocation_id="inv-1", idempotency_key="k-1")[0] == 201
     assert api.intent(invocation_id="inv-1", idempotency_key="k-2")[0] == 409
     assert [r.getMessage() for r in caplog.records if r.name == "django.request"] == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runtimes_do_not_notice_postgres_dropping_every_pooled_connection(
+    api: Api, refund: Capability, web_processes: list[str]
+) -> None:
+    """As a PostgreSQL restart or failover does, between requests: every connection
+    the running gunicorn processes hold in their pools dies. Each request is answered
+    all the same, from a fresh connection, and recorded once."""
+    headers = {**api.headers(), "Content-Type": "application/json"}
+
+    def intent(url: str, n: int) -> int:
+        body = {"invocation_id": f"inv-{n}", "task_id": "t", "capability": "refund.create",
+                "arguments": {}, "idempotency_key": f"k-{n}", "attempt_id": "a1"}  # fmt: skip
+        return httpx.post(f"{url}/api/v1/intents", json=body, headers=headers).status_code
+
+    for n, url in enumerate(web_processes * 4):
+        assert intent(url, n) == 201  # each pool now holds live connections
+    own = connection.connection.info.backend_pid if connection.connection else 0
+    with psycopg.connect(admin_conninfo(), autocommit=True) as admin:
+        [dropped] = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid NOT IN (pg_backend_pid(), %s)",
+            [own],
+        ).fetchone()  # type: ignore[misc]
+    assert dropped >= len(web_processes)
+    answers = [intent(url, 100 + n) for n, url in enumerate(web_processes * 4)]
+    assert answers == [201] * len(answers)
+    assert Invocation.objects.count() == 16
+    assert Event.objects.count() == 32  # intent_recorded and attempt_admitted, once each
