@@ -3,6 +3,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -20,6 +21,10 @@ from django.test import Client
 from ledger.models import Capability, Runtime, RuntimeToken
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A log record as settings.LOG_FORMAT writes it, in every process: its time, then this.
+LOG_TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+LOG_RECORD = re.compile(LOG_TIME + r" level=[A-Z]+ logger=\S+ ")
 
 # The Agent Capability Contract's own files: the schema, the conformance vectors and
 # the example OpenAPI documents, beside the project in ../shared/acc/.

@@ -18,11 +18,7 @@ from pathlib import Path
 import pytest
 
 from ledger import run
-from tests.conftest import ROOT, answers_200, process_env, wait_for
-
-# A record as settings.LOG_FORMAT writes it.
-TIME = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
-RECORD = re.compile(TIME + r" level=[A-Z]+ logger=\S+ ")
+from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, answers_200, process_env, wait_for
 
 START = (
     "from ledger.run import start_embedded_postgres; server = start_embedded_postgres(); "
@@ -197,10 +193,11 @@ def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
         err_lines = (tmp_path / "err").read_text().splitlines()
         booted = [line for line in err_lines if "Booting worker with pid" in line]
         assert len(booted) == 2
-        assert all(RECORD.match(line) for line in booted)
+        assert all(LOG_RECORD.match(line) for line in booted)
         assert all("level=INFO logger=gunicorn.error " in line for line in booted)
         readyz = re.compile(
-            TIME + r' level=INFO logger=gunicorn\.access remote=127\.0\.0\.1 request="GET /readyz '
+            LOG_TIME
+            + r' level=INFO logger=gunicorn\.access remote=127\.0\.0\.1 request="GET /readyz '
             r'HTTP/1\.1" status=200 bytes=\d+ duration_ms=\d+ agent="'
         )
         assert any(readyz.match(line) for line in (tmp_path / "out").read_text().splitlines())

@@ -21,7 +21,7 @@ from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
-from tests.conftest import Api, wait_for
+from tests.conftest import LOG_RECORD, LOG_TIME, Api, wait_for
 from tests.reconciliation.conftest import Workers, perform_refund, status_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -258,13 +258,12 @@ def test_worker_and_beat_log_what_they_did_in_the_web_format(
     def records(log: Path) -> list[str]:
         """The log's records: each starts a line with its time (a warning's text may
         run on over more lines), and nothing comes before the first."""
-        before_first, *records = re.split(r"^(?=\d{4}-\d\d-\d\d )", log.read_text(), flags=re.M)
+        before_first, *records = re.split(f"^(?={LOG_TIME} )", log.read_text(), flags=re.M)
         assert before_first == ""
         return records
 
     worker, beat = records(worker_log), records(beat_log)
-    structured = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} level=[A-Z]+ logger=\S+ ")
-    assert [record for record in worker + beat if not structured.match(record)] == []
+    assert [record for record in worker + beat if not LOG_RECORD.match(record)] == []
     said = [record.split(" ", 4)[-1].strip() for record in worker]
     assert said.count("sweep flagged=1") == 1
     assert said.count("probe invocation=inv-1 finding=no_probe status=escalated") == 1
