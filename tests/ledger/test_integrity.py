@@ -123,6 +123,18 @@ def test_a_rewritten_projection_is_found(ledger: Api) -> None:
     assert "manage.py restore_projection INVOCATION_ID" in page
 
 
+def test_a_rewritten_attempt_in_flight_is_found(ledger: Api) -> None:
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE ledger_invocation SET in_flight_attempt = 'a9' WHERE invocation_id = 'inv-5'"
+        )
+    breaks = verify(projections=True).breaks
+    assert [(b.where, b.expected, b.found) for b in breaks] == [
+        ("invocation inv-5 in_flight_attempt", "'a1'", "'a9'")
+    ]
+
+
 def restore_command(*ids: str, by: str = "ada", reason: str = "INC-7: row edited by hand") -> str:
     out = io.StringIO()
     call_command("restore_projection", *ids, "--by", by, "--reason", reason, stdout=out)
