@@ -165,7 +165,8 @@ def database_from_url(url: str) -> dict[str, object]:
             "timeout": env_int("DATABASE_POOL_TIMEOUT", 5),
         }
     return {
-        "ENGINE": "django.db.backends.postgresql",
+        # Django's PostgreSQL backend, lending no pooled connection PostgreSQL dropped.
+        "ENGINE": "ledger.db",
         "NAME": params["dbname"],
         "USER": params.get("user", ""),
         "PASSWORD": params.get("password", ""),

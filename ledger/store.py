@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import select
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -272,7 +271,7 @@ def _query(query: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
 
     Django's execute wrappers still see it, as they would a query of the ORM.
     """
-    _ensure_live_connection()
+    connection.ensure_connection()
     with connection.wrap_database_errors, psycopg.RawCursor(connection.connection) as cursor:
 
         def run(sql: str, params: Sequence[Any], many: bool, context: dict[str, Any]) -> None:
@@ -284,46 +283,6 @@ def _query(query: str, params: Sequence[Any]) -> tuple[Any, ...] | None:
             executor = functools.partial(wrapper, executor)
         executor(query, params, False, {"connection": connection, "cursor": cursor})
         return cursor.fetchone()
-
-
-def _ensure_live_connection() -> None:
-    """Django's connection, one that PostgreSQL has not dropped while it sat in the pool.
-
-    A restart or a failover drops every pooled connection, and each would fail the
-    first statement sent on it: the request would be answered 503. A dropped
-    connection has PostgreSQL's farewell, or the end of the stream, waiting on its
-    socket, which a look costs no round trip to find. Such a connection goes back to
-    the pool, which discards it, and another is taken, up to once for each connection
-    the pool may hold. A statement is never sent twice: one that fails after it was
-    sent is answered 503, so that nothing that made PostgreSQL fail is repeated.
-    """
-    for _ in range(_pool_size()):
-        connection.ensure_connection()
-        if connection.in_atomic_block or not _dropped_while_idle(connection.connection):
-            return  # inside a transaction, a dropped connection is the caller's to fail
-        connection.close()
-    connection.ensure_connection()
-
-
-def _dropped_while_idle(raw: psycopg.Connection[Any]) -> bool:
-    if raw.pgconn.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        return False
-    # Read whatever waits: a dropped connection's farewell first, then the end of the
-    # stream, which libpq reports as an error. An idle live connection has at most a
-    # notice waiting, and nothing after it.
-    for _ in range(3):
-        if not select.select([raw.fileno()], [], [], 0)[0]:
-            break
-        try:
-            raw.pgconn.consume_input()
-        except psycopg.OperationalError:
-            return True
-    return raw.pgconn.status == psycopg.pq.ConnStatus.BAD
-
-
-def _pool_size() -> int:
-    pool = connection.settings_dict["OPTIONS"].get("pool")
-    return pool.get("max_size", 1) if isinstance(pool, dict) else 1
 
 
 def _execute(query: str, params: Sequence[Any]) -> tuple[Any, ...]:

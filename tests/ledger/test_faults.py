@@ -182,3 +182,17 @@ def test_runtimes_do_not_notice_postgres_dropping_every_pooled_connection(
     assert answers == [201] * len(answers)
     assert Invocation.objects.count() == 16
     assert Event.objects.count() == 32  # intent_recorded and attempt_admitted, once each
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_orm_is_not_lent_a_connection_postgres_dropped(refund: Capability) -> None:
+    """The console's pages and the sweeper read through the ORM: after a restart their
+    next query runs too, on a connection the pool lends in place of the dropped one."""
+    assert Capability.objects.count() == 1
+    dropped = connection.connection.info.backend_pid
+    connection.close()  # back to the pool, where it sits idle
+    with psycopg.connect(admin_conninfo(), autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [dropped])
+        admin.execute("SELECT pg_sleep(0.1)")  # its farewell reaches the socket
+    assert Capability.objects.count() == 1
+    assert connection.connection.info.backend_pid != dropped

@@ -1,0 +1,1 @@
+"""The database backend: Django's PostgreSQL backend, lending no dropped connection."""
