@@ -245,14 +245,19 @@ def test_worker_and_beat_log_what_they_did_in_the_web_format(
     worker_log, beat_log = tmp_path / "worker.log", tmp_path / "beat.log"
     workers.start(log=worker_log, LOG_LEVEL="INFO")
     workers.beat(tmp_path, log=beat_log, LOG_LEVEL="INFO")
-    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
-    Invocation.objects.filter(invocation_id="inv-1").update(
-        deadline_at=timezone.now() - dt.timedelta(seconds=20)
-    )
+
+    def falls_due(invocation_id: str, seconds: int) -> None:
+        api.intent(invocation_id=invocation_id, idempotency_key=invocation_id, attempt_id="a1")
+        Invocation.objects.filter(invocation_id=invocation_id).update(
+            deadline_at=timezone.now() + dt.timedelta(seconds=seconds)
+        )
+
+    falls_due("inv-1", -20)
     wait_for(lambda: status_of("inv-1") == "escalated")  # swept, then no probe
-    # Not a wait for something to happen: three more sweeps at one a second, with
-    # nothing to find, and nothing they may log.
-    time.sleep(3)
+    # inv-2 falls due 3 s from now: the sweeps until then, one a second, find nothing
+    # and may log nothing.
+    falls_due("inv-2", 3)
+    wait_for(lambda: status_of("inv-2") == "escalated")
     workers.stop_all()
 
     def records(log: Path) -> list[str]:
@@ -265,7 +270,8 @@ def test_worker_and_beat_log_what_they_did_in_the_web_format(
     worker, beat = records(worker_log), records(beat_log)
     assert [record for record in worker + beat if not LOG_RECORD.match(record)] == []
     said = [record.split(" ", 4)[-1].strip() for record in worker]
-    assert said.count("sweep flagged=1") == 1
-    assert said.count("probe invocation=inv-1 finding=no_probe status=escalated") == 1
+    assert said.count("sweep flagged=1") == 2
+    for n in (1, 2):
+        assert said.count(f"probe invocation=inv-{n} finding=no_probe status=escalated") == 1
     assert not [record for record in worker if "received" in record or "succeeded in" in record]
     assert not [record for record in beat if "Sending due task" in record]
