@@ -17,7 +17,7 @@ from django.test import Client
 
 from ledger.models import Attempt, Capability, Event, Invocation
 from reconciliation import views
-from tests.conftest import Api
+from tests.conftest import Api, intent_body
 
 
 @pytest.mark.parametrize(
@@ -164,20 +164,19 @@ def test_runtimes_do_not_notice_postgres_dropping_every_pooled_connection(
     headers = {**api.headers(), "Content-Type": "application/json"}
 
     def intent(url: str, n: int) -> int:
-        body = {"invocation_id": f"inv-{n}", "task_id": "t", "capability": "refund.create",
-                "arguments": {}, "idempotency_key": f"k-{n}", "attempt_id": "a1"}  # fmt: skip
+        body = intent_body(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
         return httpx.post(f"{url}/api/v1/intents", json=body, headers=headers).status_code
 
     for n, url in enumerate(web_processes * 4):
         assert intent(url, n) == 201  # each pool now holds live connections
     own = connection.connection.info.backend_pid if connection.connection else 0
     with psycopg.connect(admin_conninfo(), autocommit=True) as admin:
-        [dropped] = admin.execute(
+        dropped = admin.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid NOT IN (pg_backend_pid(), %s)",
             [own],
-        ).fetchone()  # type: ignore[misc]
-    assert dropped >= len(web_processes)
+        ).fetchone()
+    assert dropped is not None and dropped[0] >= len(web_processes)
     answers = [intent(url, 100 + n) for n, url in enumerate(web_processes * 4)]
     assert answers == [201] * len(answers)
     assert Invocation.objects.count() == 16
