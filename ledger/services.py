@@ -21,6 +21,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Max
 from django.utils import timezone
 
 from ledger import chain, policy, store
@@ -297,22 +298,49 @@ class _Work:
         if not (self.new_invocations or self.dirty):
             return
         new_references = self._new_references()
-        store.write(
-            store.Writes(
-                new_invocations=self.new_invocations,
-                updated=[
-                    (row, self.read_event_count[invocation_id])
-                    for invocation_id, row in self.dirty.items()
-                ],
-                new_attempts=self.new_attempts,
-                new_outcomes=self.new_outcomes,
-                new_events=self.new_events,
-                new_references=new_references,
-                unchanged_capabilities=self.unchanged_capabilities,
-                confirm_token=self._token(),
+        try:
+            store.write(
+                store.Writes(
+                    new_invocations=self.new_invocations,
+                    updated=[
+                        (row, self.read_event_count[invocation_id])
+                        for invocation_id, row in self.dirty.items()
+                    ],
+                    new_attempts=self.new_attempts,
+                    new_outcomes=self.new_outcomes,
+                    new_events=self.new_events,
+                    new_references=new_references,
+                    unchanged_capabilities=self.unchanged_capabilities,
+                    confirm_token=self._token(),
+                )
             )
-        )
+        except store.ProjectionBehind:
+            raise self._projection_broken() from None
         self._token_confirmed()
+
+    def _projection_broken(self) -> LedgerError:
+        """The refusal for a unit whose invocations' rows count fewer events than they
+        have: naming them, and what puts them back."""
+        last_seq = dict(
+            Event.objects.filter(invocation_id__in=[row.pk for row in self.dirty.values()])
+            .values_list("invocation__invocation_id")
+            .annotate(Max("seq"))
+        )
+        behind = sorted(
+            invocation_id
+            for invocation_id, read in self.read_event_count.items()
+            if last_seq.get(invocation_id, 0) > read
+        )
+        log.error("projection behind its events invocations=%s", ",".join(behind))
+        return LedgerError(
+            "projection_broken",
+            f"The ledger's record of {', '.join(behind)} counts fewer events than it has: "
+            "it was changed outside the ledger. Nothing was recorded. An administrator "
+            "checks it with `manage.py verify_ledger --projections` and puts it back "
+            "from its events with `manage.py restore_projection`.",
+            status=500,
+            details={"invocation_ids": behind},
+        )
 
     def _new_references(self) -> list[tuple[str, str]]:
         """The references this unit's events name that no one named when read, each

@@ -320,6 +320,12 @@ class RaceLost(Exception):
 # PostgreSQL broke a deadlock by aborting this statement: nothing it did remains.
 DEADLOCK_SQLSTATE = "40P01"
 
+
+class ProjectionBehind(Exception):
+    """An event the write numbered from an invocation's `event_count` exists already:
+    the row was changed outside the ledger (integrity.restore_projection mends it)."""
+
+
 LOCK_SQL = """
 SELECT count(*) FROM (
   SELECT id FROM ledger_invocation WHERE invocation_id = ANY($1::text[]) ORDER BY id FOR UPDATE
@@ -568,7 +574,8 @@ class Writes:
 
 def write(writes: Writes) -> None:
     """Write everything or nothing; RaceLost when a concurrent request got there first,
-    TokenRevoked when the token it was asked to confirm is no longer active."""
+    TokenRevoked when the token it was asked to confirm is no longer active,
+    ProjectionBehind when an invocation's row counts fewer events than it has."""
     shape = (
         bool(writes.new_invocations),
         bool(writes.updated),
@@ -617,4 +624,9 @@ def write(writes: Writes) -> None:
             raise RaceLost from error
         if sqlstate == TOKEN_REVOKED_SQLSTATE:
             raise TokenRevoked from error
+        cause = error.__cause__
+        if isinstance(cause, psycopg.errors.UniqueViolation) and (
+            cause.diag.constraint_name == "event_seq_unique"
+        ):
+            raise ProjectionBehind from error
         raise

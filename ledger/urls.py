@@ -23,3 +23,7 @@ urlpatterns = [
     path("audit/export.<str:fmt>", views.audit_export, name="audit-export"),
     path("", include("reconciliation.urls")),
 ]
+
+handler400 = views.bad_request
+handler404 = views.page_not_found
+handler500 = views.server_error

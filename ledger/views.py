@@ -17,10 +17,12 @@ from django.http import (
     StreamingHttpResponse,
 )
 from django.shortcuts import render
+from django.views import defaults
 from django.views.decorators.http import require_GET
 from kombu import Connection
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ledger.api.errors import error_body
 from ledger.audit import (
     AuditFilterForm,
     csv_lines,
@@ -35,6 +37,47 @@ from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
 
 logger = logging.getLogger(__name__)
+
+
+# Error pages (ledger/urls.py's handlers): a runtime gets the typed error it reads
+# everywhere else in the API, never an HTML page; a person gets the page.
+
+
+def _for_runtime(request: HttpRequest) -> bool:
+    return request.path.startswith("/api/")
+
+
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    if _for_runtime(request):
+        # Django refused the request before any view (a Host the ledger does not serve).
+        return JsonResponse(
+            error_body("malformed_request", "The ledger does not accept this request."),
+            status=400,
+        )
+    return defaults.bad_request(request, exception)
+
+
+def page_not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    if _for_runtime(request):
+        return JsonResponse(
+            error_body("not_found", "The API has no such endpoint.", {"path": request.path}),
+            status=404,
+        )
+    return defaults.page_not_found(request, exception)
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    if _for_runtime(request):
+        return JsonResponse(
+            error_body(
+                "internal_error",
+                "The ledger failed while handling this request; the error is in its log. "
+                "Evidence is recorded whole or not at all, and every request of this API "
+                "replays safely: send the same request again.",
+            ),
+            status=500,
+        )
+    return defaults.server_error(request)
 
 
 @require_GET

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import logging
+from collections.abc import Callable
 
 from django.utils import timezone
 
@@ -59,8 +60,22 @@ def _flag(invocation_ids: list[str], now: dt.datetime | None) -> list[str]:
     try:
         return flag_missing_evidence_of(invocation_ids=invocation_ids, now=now)
     except LedgerError:
-        # Outcomes kept arriving for this unit: one invocation at a time instead.
-        return [i for i in invocation_ids if flag_missing_evidence(invocation_id=i, now=now)]
+        # Outcomes kept arriving for this unit, or the ledger refuses one of its
+        # invocations: one at a time instead, so that the others are flagged.
+        return [i for i in invocation_ids if _one(flag_missing_evidence, i, now)]
+
+
+def _one(step: Callable[..., bool], invocation_id: str, now: dt.datetime | None) -> bool:
+    """`step` for one invocation; a refusal is logged and the sweep goes on, so one
+    invocation whose row was tampered with does not stop reconciliation of the rest."""
+    try:
+        return step(invocation_id=invocation_id, now=now)
+    except LedgerError as error:
+        log.error(
+            "sweep skipped invocation=%s step=%s error=%s: %s",
+            invocation_id, step.__name__, error.type, error.message,
+        )  # fmt: skip
+        return False
 
 
 def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:
@@ -71,7 +86,7 @@ def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:
         .order_by("lease_expires_at")
         .values_list("invocation_id", flat=True)[:batch]
     )
-    return sum(services.expire_lease(invocation_id=i, now=now) for i in expired)
+    return sum(_one(services.expire_lease, i, now) for i in expired)
 
 
 def due_for_probe(*, now: dt.datetime | None = None, batch: int = 1000) -> list[str]:

@@ -10,6 +10,7 @@ import socket
 
 from celery import shared_task
 
+from ledger.services import LedgerError
 from reconciliation import probes, services, sweeper
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,13 @@ def sweep_overdue_attempts() -> int:
 def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
     """Claim, probe (read-only), record. Returns what happened, for logs and tests."""
     worker = worker_name()
-    invocation = services.invocation_claim(invocation_id=invocation_id, worker=worker, force=force)
+    try:
+        invocation = services.invocation_claim(
+            invocation_id=invocation_id, worker=worker, force=force
+        )
+    except LedgerError as error:
+        log.error("probe refused invocation=%s error=%s: %s", invocation_id, error.type, error)
+        return f"refused: {error.type}"
     if invocation is None:
         return "not claimed"
     # The claim loaded the invocation with its capability: no further queries.

@@ -42,13 +42,16 @@ ERRORS = {
         413: "payload_too_large",
         422: "capability_disabled / subject_required",
         429: "rate_limited",
+        500: "internal_error: the ledger failed, safe to resend / projection_broken: the "
+        "invocation's record was changed outside the ledger, nothing was recorded",
         503: "ledger_unavailable: nothing was recorded, safe to resend",
     }.items()
 }
 
 
 def errors(*codes: int) -> dict[int, OpenApiResponse]:
-    return {code: ERRORS[code] for code in codes}
+    """The typed errors an endpoint answers, with the 500 that any of them can."""
+    return {code: ERRORS[code] for code in (*codes, 500)}
 
 
 def runtime_of(request: Request) -> Runtime:

@@ -158,11 +158,11 @@ class LedgerClient:
     def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """The ledger's typed answer, resending what it did not take.
 
-        Resent: a 503 `ledger_unavailable` or a 429 `rate_limited` (nothing recorded),
-        a connection refused before anything was sent, and an answer that is not the
-        ledger's JSON (a proxy's 502 page, a crash): every call of this API replays
-        safely, and a resent admission that had in fact been recorded comes back as a
-        200 replay, which `_refusal` never dispatches.
+        Resent: a 429 `rate_limited`, any 5xx (`ledger_unavailable`, `internal_error`,
+        `projection_broken`, a proxy's 502 page), a connection refused before anything
+        was sent, and an answer that is not the ledger's JSON: every call of this API
+        replays safely, and a resent admission that had in fact been recorded comes
+        back as a 200 replay, which `_refusal` never dispatches.
         """
         for attempt in range(self.retries + 1):
             wait = 0.2 * 2**attempt
@@ -176,7 +176,7 @@ class LedgerClient:
                 payload = _ledger_json(response)
                 if payload is None:
                     last = f"{response.status_code} without an answer from the ledger"
-                elif response.status_code not in (429, 503):
+                elif response.status_code != 429 and response.status_code < 500:
                     return response.status_code, payload
                 else:
                     last = payload.get("error", {}).get("type") or str(response.status_code)

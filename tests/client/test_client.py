@@ -14,6 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth.models import Group, User
+from django.core.management import call_command
+from django.db import connection
 
 from ledger.client import (
     BusinessFailure,
@@ -364,6 +367,35 @@ def test_a_proxy_error_page_instead_of_the_outcome_answer_spools_the_outcome(
     report = LedgerClient(live_server.url, token, spool=str(tmp_path / "spool.jsonl")).flush()
     assert (report.delivered, report.remaining) == (1, 0)
     assert Outcome.objects.get().kind == "succeeded"
+
+
+def test_an_outcome_the_ledger_fails_to_record_is_resent_then_spooled_never_dropped(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """A typed 500 (here `projection_broken`: the row was edited while the tool ran) is
+    resent like a 503, then kept in the spool until the ledger can take it."""
+
+    def row_edited_meanwhile(context: CallContext) -> dict[str, str]:
+        with connection.cursor() as cursor:
+            cursor.execute("UPDATE ledger_invocation SET event_count = 1")
+        return {"id": "RF-1"}
+
+    statuses: list[int] = []
+    client = LedgerClient(live_server.url, token, spool=str(tmp_path / "spool.jsonl"), retries=1)
+    client.http.event_hooks["response"].append(lambda r: statuses.append(r.status_code))
+    tool = Tool(row_edited_meanwhile)
+    result = invoke(client, tool)
+    assert statuses == [201, 500, 500]
+    assert len(tool.calls) == 1
+    assert (result.kind, result.reconciliation_required) == ("post_dispatch_evidence_failed", True)
+    assert "outcome not recorded (projection_broken); kept in the spool" in result.error
+    assert not Outcome.objects.exists()
+
+    User.objects.create_user("ada").groups.add(Group.objects.get_or_create(name="admin")[0])
+    call_command("restore_projection", result.invocation_id, "--by", "ada", "--reason", "x")
+    report = client.flush()
+    assert (report.delivered, report.remaining) == (1, 0)
+    assert Outcome.objects.get().business_reference == "RF-1"
 
 
 def test_a_rate_limited_outcome_is_sent_again_after_retry_after(

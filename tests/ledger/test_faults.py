@@ -15,6 +15,7 @@ from django.db import connection
 from django.db.utils import InternalError, ProgrammingError
 from django.test import Client
 
+from ledger import services
 from ledger.models import Attempt, Capability, Event, Invocation
 from reconciliation import views
 from tests.conftest import Api, intent_body
@@ -141,6 +142,43 @@ def test_a_console_bug_shows_the_ledgers_error_page_and_is_logged(
     [logged] = [r for r in caplog.records if r.name == "django.request"]
     assert (logged.levelname, logged.getMessage()) == ("ERROR", "Internal Server Error: /")
     assert logged.exc_info is not None and "a bug" in str(logged.exc_info[1])
+
+
+def test_a_ledger_bug_answers_the_runtime_a_typed_error_and_is_logged(
+    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Never an HTML page: the runtime reads the same typed error as everywhere else."""
+    assert api.intent(attempt_id="a1")[0] == 201
+
+    def broken(**kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(services, "record_outcome", broken)
+    failing = Api(Client(raise_request_exception=False), api.token)
+    status, body = failing.outcome("inv-1", "a1", kind="succeeded")
+    assert status == 500
+    assert body["error"]["type"] == "internal_error"
+    assert "send the same request again" in body["error"]["message"]
+    [logged] = [r for r in caplog.records if r.name == "django.request"]
+    assert logged.levelname == "ERROR" and "a bug" in str(logged.exc_info[1])  # type: ignore[index]
+    monkeypatch.undo()
+    assert api.outcome("inv-1", "a1", kind="succeeded")[0] == 201
+
+
+def test_a_wrong_url_or_host_is_a_typed_error_for_a_runtime_and_a_page_for_a_person(
+    api: Api, refund: Capability
+) -> None:
+    assert api.get("/api/v1/intent") == (
+        404,
+        {"error": {"type": "not_found", "message": "The API has no such endpoint.",
+                   "details": {"path": "/api/v1/intent"}}},
+    )  # fmt: skip
+    status, body = api.post("/api/v1/intents", intent_body(), HTTP_HOST="ledger.example")
+    assert (status, body["error"]["type"]) == (400, "malformed_request")
+    assert not Invocation.objects.exists()
+    page = operator_client().get("/no-such-page/")
+    assert page.status_code == 404
+    assert "There is no page here" in page.content.decode()
 
 
 def test_a_refused_request_is_answered_not_logged(

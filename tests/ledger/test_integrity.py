@@ -17,8 +17,8 @@ from django.utils import timezone
 
 from ledger import chain, services
 from ledger.integrity import merkle_root, seal_events, verify
-from ledger.models import Capability, Event, Seal, SealedEvent
-from tests.conftest import Api
+from ledger.models import Capability, Event, Invocation, Outcome, Seal, SealedEvent
+from tests.conftest import Api, intent_body
 
 
 @pytest.fixture
@@ -192,6 +192,41 @@ def test_a_rewritten_projection_is_restored_from_its_events_on_the_record(
     client.force_login(User.objects.get(username="ada"))
     action_log = client.get("/audit/actions/").content.decode()
     assert "projection_restored" in action_log and "INC-7: row edited by hand" in action_log
+
+
+def test_evidence_for_a_row_counting_fewer_events_is_refused_typed_until_restored(
+    ledger: Api, ada: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its next event would take a number already taken: refused, naming the
+    invocation and the remedy, and nothing is written until the row is put back."""
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE ledger_invocation SET event_count = 1 WHERE invocation_id = 'inv-5'")
+    events = Event.objects.filter(invocation__invocation_id="inv-5")
+    written = list(events.values_list("seq", "hash"))
+
+    status, body = ledger.outcome("inv-5", "a1", kind="succeeded", business_reference="RF-5")
+    assert status == 500
+    assert (body["error"]["type"], body["error"]["details"]) == (
+        "projection_broken",
+        {"invocation_ids": ["inv-5"]},
+    )
+    assert "manage.py restore_projection" in body["error"]["message"]
+    assert "projection behind its events invocations=inv-5" in caplog.text
+    batch_status, batch = ledger.post(
+        "/api/v1/evidence",
+        [{"type": "intent", **intent_body(invocation_id="inv-6", idempotency_key="k-6")},
+         {"type": "outcome", "invocation_id": "inv-5", "attempt_id": "a1", "kind": "succeeded"}],
+    )  # fmt: skip
+    assert (batch_status, batch["error"]["type"]) == (500, "projection_broken")
+    assert list(events.values_list("seq", "hash")) == written
+    assert not Outcome.objects.filter(attempt__invocation__invocation_id="inv-5").exists()
+    assert not Invocation.objects.filter(invocation_id="inv-6").exists()
+
+    restore_command("inv-5")
+    status, body = ledger.outcome("inv-5", "a1", kind="succeeded", business_reference="RF-5")
+    assert (status, body["status"]) == (201, "succeeded")
+    assert verify(projections=True).ok
 
 
 def test_a_projection_is_not_restored_from_a_broken_chain(ledger: Api, ada: None) -> None:

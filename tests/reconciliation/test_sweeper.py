@@ -12,14 +12,19 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+import reconciliation.services
 from ledger import services, store
 from ledger.models import Capability, Event, Invocation
 from reconciliation import sweeper
-from reconciliation.tasks import sweep_overdue_attempts
+from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
 from tests.conftest import Api, intent_body, wait_for
 from tests.reconciliation.conftest import Workers, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def statuses() -> dict[str, str]:
+    return dict(Invocation.objects.values_list("invocation_id", "status"))
 
 
 def past_deadline() -> dt.datetime:
@@ -39,8 +44,7 @@ def test_the_sweep_flags_overdue_attempts_and_only_those(
     )
     now = past_deadline()
     assert sweeper.sweep(now=now) == 2
-    states = dict(Invocation.objects.values_list("invocation_id", "status"))
-    assert states == {
+    assert statuses() == {
         "inv-1": "reconciliation_required",
         "inv-2": "succeeded",
         "inv-3": "retry_allowed",  # readonly: lost evidence is safe to retry
@@ -69,8 +73,7 @@ def test_many_attempts_falling_due_at_once_are_flagged_a_hundred_per_write(
         assert sweeper.sweep(now=past_deadline()) == 250
 
     assert len(writes) == 3  # 100 + 100 + 50
-    statuses = set(Invocation.objects.values_list("status", flat=True))
-    assert statuses == {"reconciliation_required"}
+    assert set(statuses().values()) == {"reconciliation_required"}
     assert Event.objects.filter(kind="evidence_missing").count() == 250
 
 
@@ -100,8 +103,7 @@ def test_an_outcome_arriving_during_the_sweep_wins_and_the_rest_are_flagged(
     assert sweeper.sweep(now=past_deadline()) == 2
 
     assert arrived == [201]
-    states = dict(Invocation.objects.values_list("invocation_id", "status"))
-    assert states == {
+    assert statuses() == {
         "inv-1": "reconciliation_required",
         "inv-2": "succeeded",
         "inv-3": "reconciliation_required",
@@ -127,8 +129,48 @@ def test_a_unit_that_keeps_losing_races_is_flagged_one_invocation_at_a_time(
     assert sweeper.sweep(now=past_deadline()) == 3
 
     assert lost == [3] * services.RACE_RETRIES
-    statuses = set(Invocation.objects.values_list("status", flat=True))
-    assert statuses == {"reconciliation_required"}
+    assert set(statuses().values()) == {"reconciliation_required"}
+
+
+def count_fewer_events(invocation_id: str) -> None:
+    """A row edited outside the ledger so that its next event's number is taken."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE ledger_invocation SET event_count = 1 WHERE invocation_id = %s",
+            [invocation_id],
+        )
+
+
+def test_a_row_tampered_with_is_skipped_and_logged_and_the_rest_reconciled(
+    api: Api, three_in_flight: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One broken invocation does not stop the flags, the leases and the probes of all."""
+    count_fewer_events("inv-2")
+    now = past_deadline()
+    assert sweeper.sweep(now=now) == 2
+    assert statuses() == {
+        "inv-1": "reconciliation_required",
+        "inv-2": "in_flight",
+        "inv-3": "reconciliation_required",
+    }
+    assert (
+        "sweep skipped invocation=inv-2 step=flag_missing_evidence error=projection_broken"
+        in caplog.text
+    )
+
+    for invocation_id in ("inv-1", "inv-3"):
+        assert reconciliation.services.invocation_claim(
+            invocation_id=invocation_id, worker="w", now=now
+        )
+    count_fewer_events("inv-3")
+    assert sweeper.expire_leases(now=now + dt.timedelta(days=1)) == 1
+    assert Invocation.objects.get(invocation_id="inv-1").lease_owner == ""
+    assert "sweep skipped invocation=inv-3 step=expire_lease error=projection_broken" in (
+        caplog.text
+    )
+    count_fewer_events("inv-1")
+    assert reconcile_invocation("inv-1") == "refused: projection_broken"
+    assert "probe refused invocation=inv-1 error=projection_broken" in caplog.text
 
 
 def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
