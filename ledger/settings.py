@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -50,10 +51,41 @@ def env_rate(name: str, default: str) -> str:
     return raw
 
 
+def data_dir_secret_key(path: Path) -> str:
+    """The key of every process sharing this data directory when SECRET_KEY is unset:
+    made at random by the first, kept in `path` (mode 0600) for the others and for
+    the next start. A key in the code would be everyone's: anyone could sign sessions.
+
+    The key is written whole to a file of its own, then linked into place, which
+    fails if another process got there first: all read the winner's key.
+    """
+    try:
+        return path.read_text() if path.exists() else _make_secret_key(path)
+    except OSError as error:
+        raise ImproperlyConfigured(
+            f"SECRET_KEY is not set and no key can be kept in {path} ({error}); set SECRET_KEY"
+        ) from None
+
+
+def _make_secret_key(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = path.with_name(f".{path.name}.{os.getpid()}")
+    descriptor = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_urlsafe(50))
+    try:
+        os.link(mine, path)
+    except FileExistsError:
+        pass
+    finally:
+        mine.unlink()
+    return path.read_text()
+
+
 DEBUG = env_bool("DEBUG", False)
-# Local runs (embedded defaults, tests) get a development key; `manage.py check
-# --deploy` flags it, and a deployment sets its own.
-SECRET_KEY = os.environ.get("SECRET_KEY") or "django-insecure-development-key-set-SECRET_KEY"
+# A deployment of more than one host sets SECRET_KEY; a single host may leave it to
+# the data directory.
+SECRET_KEY = os.environ.get("SECRET_KEY") or data_dir_secret_key(DATA_DIR / "secret_key")
 
 ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
 

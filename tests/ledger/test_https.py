@@ -1,5 +1,6 @@
-"""A deployment behind HTTPS: the settings read from the environment at start, so each
-case runs in a fresh interpreter with its own environment."""
+"""A deployment's security settings (HTTPS, the secret key): the settings read from the
+environment at start, so each case runs in a fresh interpreter with its own
+environment."""
 
 from __future__ import annotations
 
@@ -54,9 +55,13 @@ def answers(**environment: str) -> dict[str, list[object]]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_behind_https_the_deploy_check_finds_no_clear_cookie_or_plain_http() -> None:
+def test_behind_https_the_deploy_check_finds_no_clear_cookie_or_plain_http(
+    tmp_path: Path,
+) -> None:
     clear = {"security.W004", "security.W008", "security.W012", "security.W016"}
-    assert clear <= deploy_warnings()
+    plain = deploy_warnings(SECRET_KEY="", LEDGER_DATA_DIR=str(tmp_path))
+    assert clear <= plain
+    assert "security.W009" not in plain  # the key made for the data directory is strong
     https = deploy_warnings(LEDGER_HTTPS="true", LEDGER_HSTS_SECONDS="31536000")
     # Left to the deployment: whether HSTS covers subdomains and asks for preloading.
     assert https == {"security.W005", "security.W021"}
@@ -78,3 +83,50 @@ def test_behind_a_proxy_that_terminates_tls_its_header_is_trusted() -> None:
     found = answers(LEDGER_HTTPS="true", LEDGER_PROXY_SETS_X_FORWARDED_PROTO="true")
     assert found["/accounts/login/ https"] == [200, None, True]
     assert found["/accounts/login/ None"][0] == 301
+
+
+PRINT_KEY = (
+    "import django; django.setup(); from django.conf import settings; print(settings.SECRET_KEY)"
+)
+
+
+def test_without_a_secret_key_the_processes_of_one_data_directory_share_one_made_for_it(
+    tmp_path: Path,
+) -> None:
+    """Never a key published with the code: four processes starting at once (web
+    workers, worker, beat) agree on one random key, kept for the next start."""
+    data = tmp_path / "data"
+    env = {**os.environ, "SECRET_KEY": "", "LEDGER_DATA_DIR": str(data)}
+    starting = [
+        subprocess.Popen(
+            [sys.executable, "-c", PRINT_KEY],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(4)
+    ]
+    keys = {process.communicate()[0] for process in starting}
+    assert all(process.returncode == 0 for process in starting)
+    [key] = keys
+    assert len(key.strip()) >= 50 and "insecure" not in key
+    assert (data / "secret_key").stat().st_mode & 0o777 == 0o600
+    assert [path.name for path in data.iterdir()] == ["secret_key"]
+
+    restarted = run(["-c", PRINT_KEY], SECRET_KEY="", LEDGER_DATA_DIR=str(data))
+    assert restarted.stdout == key
+    elsewhere = run(["-c", PRINT_KEY], SECRET_KEY="", LEDGER_DATA_DIR=str(tmp_path / "other"))
+    assert elsewhere.returncode == 0 and elsewhere.stdout != key
+    given = run(["-c", PRINT_KEY], SECRET_KEY="set-by-the-deployment", LEDGER_DATA_DIR=str(data))
+    assert given.stdout == "set-by-the-deployment\n"
+
+
+def test_without_a_secret_key_or_a_writable_data_directory_the_ledger_does_not_start(
+    tmp_path: Path,
+) -> None:
+    occupied = tmp_path / "a-file"
+    occupied.write_text("")
+    refused = run(["-c", PRINT_KEY], SECRET_KEY="", LEDGER_DATA_DIR=str(occupied))
+    assert refused.returncode == 1
+    assert "SECRET_KEY is not set and no key can be kept in" in refused.stderr
