@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import hashlib
 import itertools
@@ -15,7 +16,7 @@ from django.db import connection, transaction
 from django.db.models import Max, Min, Q
 from django.utils import timezone
 
-from ledger import chain
+from ledger import chain, policy
 from ledger.models import Event, Invocation, Seal, SealedEvent
 from ledger.services import LedgerError, event_body, invocation_transition
 from ledger.verify_bundle import merkle_root
@@ -82,7 +83,7 @@ def seal_events(*, now: dt.datetime | None = None) -> Seal | None:
 
 @dataclass
 class Break:
-    what: str  # "chain", "seal" or "projection"
+    what: str  # "chain", "transition", "seal" or "projection"
     where: str
     expected: str
     found: str
@@ -140,6 +141,61 @@ def _chain_breaks(invocation: Invocation, events: list[Event]) -> Iterator[Break
             f"{len(events)} events ending {events[-1].hash}",
             f"{invocation.event_count} events ending {invocation.head_hash}",
         )
+
+
+def _transition_breaks(invocation_id: str, events: list[Event]) -> Iterator[Break]:
+    """The first recorded state the retry policy does not lead to from the one before
+    it, if any. Hashes show what was changed after it was written; this shows a history
+    no service could have written, hashes and all: one rewritten and re-hashed by hand,
+    or one a faulty service wrote."""
+    hints = _intent_hints(events[0])
+    before = policy.InvocationState()
+    for event in events:
+        where = f"invocation {invocation_id} event #{event.seq}"
+        recorded = event.data.get("state", {})
+        if hints is None or any(name not in recorded for name in RECORDED):
+            return  # written before events recorded the whole state: nothing to replay
+        try:
+            after = policy.InvocationState.parse(
+                attempts=recorded["attempt_count"],
+                **{name: recorded[name] for name in RECORDED if name != "attempt_count"},
+            )
+        except (ValueError, TypeError):
+            yield Break("transition", where, "a state of the retry policy", repr(recorded))
+            return
+        if not policy.explains(before, after, hints):
+            yield Break(
+                "transition",
+                where,
+                f"a step of the retry policy from {_described(before)}",
+                f"{event.kind} recording {_described(after)}",
+            )
+            return
+        before = after
+
+
+HINTS_RECORDED = frozenset({"readonly", "idempotency_verified", "max_attempts"})
+
+
+def _intent_hints(intent: Event) -> policy.Hints | None:
+    """The capability's hints as the intent recorded them (the policy's for its life)."""
+    hints = intent.data.get("hints")
+    if not isinstance(hints, dict) or not hints.keys() >= HINTS_RECORDED:
+        return None
+    return policy.Hints(
+        readonly=hints["readonly"],
+        idempotency_verified=hints["idempotency_verified"],
+        max_attempts=hints["max_attempts"],
+    )
+
+
+def _described(state: policy.InvocationState) -> str:
+    shown = ((f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
+    return ", ".join(
+        f"{name} {','.join(sorted(value)) if isinstance(value, frozenset) else value}"
+        for name, value in shown
+        if value or name == "attempts"
+    )
 
 
 def _head_differs(invocation: Invocation, last: Event) -> bool:
@@ -255,8 +311,9 @@ def verify(
     until: dt.datetime | None = None,
     projections: bool = False,
 ) -> Report:
-    """Recompute every chain with events in the range, every seal in it, and
-    (optionally) every projection; collect each break, first per invocation."""
+    """Recompute every chain with events in the range, replay its recorded states
+    through the retry policy, check every seal in the range and (optionally) every
+    projection; collect each break, first per invocation."""
     report = Report()
     window = time_window(since, until)
     touched = Event.objects.filter(window).values("invocation_id").distinct()
@@ -273,7 +330,9 @@ def verify(
         invocation = chained[0].invocation
         report.invocations += 1
         report.events += len(chained)
-        report.breaks.extend(_chain_breaks(invocation, chained))
+        broken = list(_chain_breaks(invocation, chained))
+        # A chain broken is the finding; a replay of altered events would repeat it.
+        report.breaks.extend(broken or _transition_breaks(invocation.invocation_id, chained))
         if projections:
             report.projections += 1
             report.breaks.extend(_projection_breaks(invocation, chained[-1]))

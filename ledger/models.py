@@ -358,14 +358,14 @@ class Invocation(models.Model):
         )
 
     def state(self) -> policy.InvocationState:
-        return policy.InvocationState(
-            status=policy.Status(self.status),
-            failure_class=policy.OutcomeKind(self.failure_class) if self.failure_class else None,
-            cause=policy.Cause(self.cause) if self.cause else None,
+        return policy.InvocationState.parse(
+            status=self.status,
+            failure_class=self.failure_class,
+            cause=self.cause,
             attempts=self.attempt_count,
-            in_flight_attempt=self.in_flight_attempt or None,
-            resolution=policy.Effect(self.resolution) if self.resolution else None,
-            flags=frozenset(policy.Flag(f) for f in self.flags),
+            in_flight_attempt=self.in_flight_attempt,
+            resolution=self.resolution,
+            flags=self.flags,
         )
 
     def apply_state(self, state: policy.InvocationState) -> None:

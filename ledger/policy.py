@@ -7,6 +7,10 @@ returns a new state or raises `Refused` with the typed reason the API reports.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -118,6 +122,30 @@ class InvocationState:
     # The settled answer of reconciliation, kept so late evidence can be compared.
     resolution: Effect | None = None
     flags: frozenset[Flag] = field(default_factory=frozenset)
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        status: str,
+        failure_class: str | None,
+        cause: str | None,
+        attempts: int,
+        in_flight_attempt: str | None,
+        resolution: str | None,
+        flags: Iterable[str],
+    ) -> InvocationState:
+        """From stored values, where blank or null means none; ValueError for a value
+        that is not this module's."""
+        return cls(
+            status=Status(status),
+            failure_class=OutcomeKind(failure_class) if failure_class else None,
+            cause=Cause(cause) if cause else None,
+            attempts=attempts,
+            in_flight_attempt=in_flight_attempt or None,
+            resolution=Effect(resolution) if resolution else None,
+            flags=frozenset(Flag(flag) for flag in flags),
+        )
 
     @property
     def retryable(self) -> bool:
@@ -369,3 +397,72 @@ def reject_proposal(state: InvocationState) -> InvocationState:
     if state.status is not Status.RESOLUTION_PROPOSED:
         raise Refused("no_proposal", "there is no proposal to reject")
     return replace(state, status=Status.ESCALATED, cause=Cause.PROPOSAL_REJECTED)
+
+
+# Replaying a recorded history ---------------------------------------------------
+
+# In the states compared below, the attempt in flight before the step and one newly
+# admitted by it: ids are the runtime's, and only whether they changed matters here.
+IN_FLIGHT_BEFORE = "(in flight before)"
+ADMITTED_NOW = "(admitted now)"
+
+
+def explains(before: InvocationState, after: InvocationState, hints: Hints) -> bool:
+    """Whether one rule of this module, with flags added beside it, leads from `before`
+    to `after`: what `verify_ledger` asks of every pair of consecutive recorded states,
+    so that a history no service could have written is found even where every hash
+    checks out."""
+    previous = before.in_flight_attempt
+    if previous:
+        before = replace(before, in_flight_attempt=IN_FLIGHT_BEFORE)
+    now = after.in_flight_attempt
+    in_flight = now and (IN_FLIGHT_BEFORE if now == previous else ADMITTED_NOW)
+    flags_added_by = _steps(before, hints).get(_unflagged(after, in_flight), ())
+    return any(flags <= after.flags for flags in flags_added_by)
+
+
+type Unflagged = tuple[object, ...]
+
+
+def _unflagged(state: InvocationState, in_flight_attempt: str | None) -> Unflagged:
+    return (
+        state.status,
+        state.failure_class,
+        state.cause,
+        state.attempts,
+        in_flight_attempt,
+        state.resolution,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _steps(state: InvocationState, hints: Hints) -> dict[Unflagged, list[frozenset[Flag]]]:
+    """Every state one rule leads to from `state` (itself included: an event may record
+    no change), for every argument the rule may be given: keyed without flags, with the
+    flags each way there leaves set. Histories repeat a handful of states, hence the
+    cache."""
+    found = {state}
+
+    def step(rule: Callable[..., InvocationState], *args: object, **kwargs: object) -> None:
+        with contextlib.suppress(Refused):
+            found.add(rule(state, *args, **kwargs))
+
+    step(admit, hints, ADMITTED_NOW)
+    for kind, retryable in itertools.product(OutcomeKind, (False, True)):
+        if state.in_flight_attempt:
+            step(report_outcome, hints, state.in_flight_attempt, state.attempts, kind, retryable)
+        for number, another in itertools.product(range(1, state.attempts + 1), (False, True)):
+            step(late_outcome, hints, number, kind, retryable, names_another_effect=another)
+    if state.in_flight_attempt:
+        step(flag_missing_evidence, hints, state.in_flight_attempt)
+    for effect in Effect:
+        step(resolve, hints, effect)
+    for cause in Cause:
+        step(escalate, cause)
+    for rule in (claim, release, propose, reject_proposal):
+        step(rule)
+    steps: dict[Unflagged, list[frozenset[Flag]]] = {}
+    for reached in found:
+        unflagged = _unflagged(reached, reached.in_flight_attempt)
+        steps.setdefault(unflagged, []).append(reached.flags)
+    return steps

@@ -17,7 +17,9 @@ import httpx
 import pytest
 from django.db import connection, connections
 from django.test import Client
+from psycopg.pq import TransactionStatus
 
+from ledger.integrity import verify
 from ledger.models import Capability, Runtime, RuntimeToken
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +33,34 @@ LOG_RECORD = re.compile(LOG_TIME + r" level=[A-Z]+ logger=\S+ ")
 SHARED_ACC = Path(
     os.environ.get("ACC_SPEC_DIR", Path(__file__).resolve().parents[2] / "shared" / "acc")
 )
+
+
+@pytest.fixture(autouse=True)
+def histories_the_policy_explains(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that writes: each history it leaves is one the retry policy
+    explains. verify_ledger's replay is checked against every history the services
+    write across the suite, and the services against the policy."""
+    names = set(request.fixturenames)
+    for database in ("transactional_db", "db"):
+        if database in names:
+            # Asked for here, the database is emptied after this checks it.
+            request.getfixturevalue(database)
+            break
+    else:
+        if not request.node.get_closest_marker("django_db"):
+            yield
+            return
+    yield
+    if request.node.get_closest_marker("rewrites_history") or in_failed_transaction():
+        return
+    replayed = [broken for broken in verify().breaks if broken.what == "transition"]
+    assert not replayed, "\n".join(map(str, replayed))
+
+
+def in_failed_transaction() -> bool:
+    """A test that showed PostgreSQL refusing a statement leaves its transaction unusable."""
+    raw = connection.connection
+    return raw is not None and raw.info.transaction_status is TransactionStatus.INERROR
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 
 import pytest
 from django.contrib.auth.models import Group, User
@@ -32,7 +33,7 @@ def ledger(api: Api, refund: Capability) -> Api:
     return api
 
 
-def superuser_sql(sql: str, *params: int) -> None:
+def superuser_sql(sql: str, *params: str | int) -> None:
     """Tampering as a superuser, who can switch every trigger off for a session."""
     with connection.cursor() as cursor:
         cursor.execute("SET session_replication_role = replica")
@@ -133,6 +134,54 @@ def test_a_rewritten_attempt_in_flight_is_found(ledger: Api) -> None:
     assert [(b.where, b.expected, b.found) for b in breaks] == [
         ("invocation inv-5 in_flight_attempt", "'a1'", "'a9'")
     ]
+
+
+def rewrite_with_hashes(invocation_id: str, seq: int, **state: str | None) -> None:
+    """The last event's recorded state rewritten and its hash recomputed, with the row's
+    head to match: every hash checks out."""
+    event = Event.objects.get(invocation__invocation_id=invocation_id, seq=seq)
+    assert event.seq == Invocation.objects.get(invocation_id=invocation_id).event_count
+    event.data["state"].update(state)
+    event.hash = chain.event_hash(event.prev_hash, services.event_body(event, invocation_id))
+    superuser_sql(
+        "UPDATE ledger_event SET data = %s::jsonb, hash = %s WHERE id = %s",
+        json.dumps(event.data),
+        event.hash,
+        event.pk,
+    )
+    Invocation.objects.filter(invocation_id=invocation_id).update(head_hash=event.hash)
+
+
+@pytest.mark.rewrites_history
+def test_a_history_rewritten_with_its_hashes_recomputed_is_found_by_replay(ledger: Api) -> None:
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    status, body = ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
+    assert (status, body["status"]) == (201, "reconciliation_required")
+    assert verify(projections=True).ok
+    # A refund whose evidence was lost, edited to invite a second one.
+    rewrite_with_hashes("inv-5", 3, status="retry_allowed", cause=None)
+    Invocation.objects.filter(invocation_id="inv-5").update(status="retry_allowed", cause="")
+    breaks = verify(projections=True).breaks
+    assert [(b.what, b.where) for b in breaks] == [("transition", "invocation inv-5 event #3")]
+    assert breaks[0].expected == (
+        "a step of the retry policy from status in_flight, attempts 1, in_flight_attempt a1"
+    )
+    assert breaks[0].found == (
+        "outcome_recorded recording status retry_allowed, "
+        "failure_class post_dispatch_evidence_failed, attempts 1"
+    )
+    with pytest.raises(CommandError, match="1 broken link"):
+        verify_command()
+
+
+@pytest.mark.rewrites_history
+def test_a_recorded_state_that_is_no_state_is_found(ledger: Api) -> None:
+    rewrite_with_hashes("inv-4", 1, status="refunded", cause=None)
+    breaks = verify().breaks
+    assert [(b.what, b.where, b.expected) for b in breaks] == [
+        ("transition", "invocation inv-4 event #1", "a state of the retry policy")
+    ]
+    assert "'status': 'refunded'" in breaks[0].found
 
 
 def restore_command(*ids: str, by: str = "ada", reason: str = "INC-7: row edited by hand") -> str:

@@ -4,6 +4,7 @@ sequence of events (Hypothesis state machine). No database."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import settings
@@ -25,6 +26,7 @@ from ledger.policy import (
     admit,
     claim,
     escalate,
+    explains,
     flag_missing_evidence,
     propose,
     reject_proposal,
@@ -198,6 +200,54 @@ def test_a_late_outcome_that_says_nothing_changes_nothing() -> None:
     assert late == flagged
 
 
+IN_FLIGHT = InvocationState(status=Status.IN_FLIGHT, attempts=1, in_flight_attempt="a1")
+LOST = OutcomeKind.POST_DISPATCH_EVIDENCE_FAILED
+REPORTED_LOST = InvocationState(
+    status=Status.RECONCILIATION_REQUIRED,
+    failure_class=LOST,
+    cause=Cause.EVIDENCE_REPORTED_LOST,
+    attempts=1,
+)
+SUCCEEDED = InvocationState(status=Status.SUCCEEDED, attempts=1)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "explained"),
+    [
+        (InvocationState(), IN_FLIGHT, True),
+        (IN_FLIGHT, REPORTED_LOST, True),
+        (IN_FLIGHT, SUCCEEDED, True),
+        (SUCCEEDED, replace(SUCCEEDED, flags=frozenset({Flag.REFERENCE_SHARED})), True),
+        # Reported lost on a write: retry only after reconciliation says it is safe.
+        (IN_FLIGHT, replace(REPORTED_LOST, status=Status.RETRY_ALLOWED, cause=None), False),
+        (REPORTED_LOST, replace(REPORTED_LOST, status=Status.RETRY_ALLOWED), False),
+        (REPORTED_LOST, replace(IN_FLIGHT, attempts=2, in_flight_attempt="a2"), False),
+        (InvocationState(), SUCCEEDED, False),  # an effect with no attempt
+        (InvocationState(), replace(IN_FLIGHT, attempts=2), False),
+        (IN_FLIGHT, replace(IN_FLIGHT, in_flight_attempt="a2"), False),  # not admitted
+        (SUCCEEDED, replace(SUCCEEDED, status=Status.RETRY_ALLOWED), False),
+        (
+            replace(SUCCEEDED, flags=frozenset({Flag.EVIDENCE_CONFLICT})),
+            SUCCEEDED,  # a flag taken away
+            False,
+        ),
+    ],
+)
+def test_a_recorded_step_is_explained_only_by_a_rule(
+    before: InvocationState, after: InvocationState, explained: bool
+) -> None:
+    assert explains(before, after, Hints()) is explained
+
+
+def test_whether_a_step_is_explained_depends_on_the_capability() -> None:
+    retry = replace(REPORTED_LOST, status=Status.RETRY_ALLOWED, cause=None)
+    assert explains(IN_FLIGHT, retry, Hints(readonly=True))
+    assert not explains(IN_FLIGHT, retry, Hints(readonly=False))
+    exhausted = replace(retry, status=Status.FAILED, cause=Cause.ATTEMPTS_EXHAUSTED)
+    assert explains(IN_FLIGHT, exhausted, Hints(readonly=True, max_attempts=1))
+    assert not explains(IN_FLIGHT, exhausted, Hints(readonly=True, max_attempts=2))
+
+
 class InvocationMachine(RuleBasedStateMachine):
     """Any sequence of admissions, outcomes (timely or late), sweeps and resolutions."""
 
@@ -317,6 +367,11 @@ class InvocationMachine(RuleBasedStateMachine):
             assert self.state.status is Status.ESCALATED
             assert self.state.cause is Cause.EVIDENCE_CONFLICT
             assert Flag.EVIDENCE_CONFLICT in self.state.flags
+
+    @invariant()
+    def every_step_is_one_verify_explains(self) -> None:
+        # verify_ledger's replay must never call a history the services write broken.
+        assert explains(self.previous, self.state, self.hints)
 
     @invariant()
     def attempts_never_exceed_the_maximum(self) -> None:

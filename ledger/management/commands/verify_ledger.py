@@ -16,8 +16,9 @@ def moment(value: str) -> dt.datetime:
 class Command(BaseCommand):
     help = (
         "Recompute every invocation's hash chain and every seal (events and seals created "
-        "in [--since, --until)), and with --projections compare each invocation row with "
-        "the state its last event recorded. Names every broken link; exit status 1 if any."
+        "in [--since, --until)), replay each chain's recorded states through the retry "
+        "policy, and with --projections compare each invocation row with the state its "
+        "last event recorded. Names every broken link; exit status 1 if any."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
