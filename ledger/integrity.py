@@ -17,7 +17,7 @@ from django.db.models import Max, Min, Q
 from django.utils import timezone
 
 from ledger import chain, policy
-from ledger.models import Event, Invocation, Seal, SealedEvent
+from ledger.models import BLANK_AS_NULL, RECORDED_STATE, Event, Invocation, Seal, SealedEvent
 from ledger.services import LedgerError, event_body, invocation_transition
 from ledger.verify_bundle import merkle_root
 
@@ -153,12 +153,12 @@ def _transition_breaks(invocation_id: str, events: list[Event]) -> Iterator[Brea
     for event in events:
         where = f"invocation {invocation_id} event #{event.seq}"
         recorded = event.data.get("state", {})
-        if hints is None or any(name not in recorded for name in RECORDED):
+        if hints is None or any(name not in recorded for name in RECORDED_STATE):
             return  # written before events recorded the whole state: nothing to replay
         try:
             after = policy.InvocationState.parse(
                 attempts=recorded["attempt_count"],
-                **{name: recorded[name] for name in RECORDED if name != "attempt_count"},
+                **{name: recorded[name] for name in RECORDED_STATE if name != "attempt_count"},
             )
         except (ValueError, TypeError):
             yield Break("transition", where, "a state of the retry policy", repr(recorded))
@@ -202,38 +202,9 @@ def _head_differs(invocation: Invocation, last: Event) -> bool:
     return (invocation.event_count, invocation.head_hash) != (last.seq, last.hash)
 
 
-# What each event records of its invocation's state (services._state_summary, where a
-# blank column is recorded as null): what a projection is checked against and put back to.
-RECORDED = (
-    "status",
-    "failure_class",
-    "cause",
-    "resolution",
-    "flags",
-    "attempt_count",
-    "in_flight_attempt",
-)
-BLANK_AS_NULL = frozenset({"failure_class", "cause", "resolution", "in_flight_attempt"})
-
-
-def _projection_differences(invocation: Invocation, last: Event) -> dict[str, tuple[Any, Any]]:
-    """Each field whose column differs from what the last event recorded: (recorded, found)."""
-    state = last.data.get("state", {})
-    differences = {}
-    for name in RECORDED:
-        if name not in state:
-            continue  # not recorded by the events of this invocation's time
-        found = getattr(invocation, name)
-        if name in BLANK_AS_NULL:
-            found = found or None
-        if state[name] != found:
-            differences[name] = (state[name], found)
-    return differences
-
-
 def _projection_breaks(invocation: Invocation, last: Event) -> Iterator[Break]:
     """The projection must equal the state the last event recorded."""
-    for name, (recorded, found) in _projection_differences(invocation, last).items():
+    for name, (recorded, found) in invocation.differences_from(last.data.get("state", {})).items():
         yield Break(
             "projection",
             f"invocation {invocation.invocation_id} {name}",
@@ -268,7 +239,9 @@ def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[s
             )
         last = events[-1]
         restored.clear()
-        for name, (recorded, found) in _projection_differences(invocation, last).items():
+        for name, (recorded, found) in invocation.differences_from(
+            last.data.get("state", {})
+        ).items():
             restored[name] = {"found": found, "recorded": recorded}
             blank = "" if name in BLANK_AS_NULL else recorded
             setattr(invocation, name, recorded if recorded is not None else blank)
@@ -283,7 +256,11 @@ def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[s
         return {"reason": reason, "restored": restored}
 
     invocation_transition(
-        invocation_id=invocation_id, actor=actor, kind="projection_restored", change=change
+        invocation_id=invocation_id,
+        actor=actor,
+        kind="projection_restored",
+        change=change,
+        checks_projection=False,
     )
     return restored
 

@@ -141,6 +141,31 @@ def _state_summary(invocation: Invocation) -> dict[str, Any]:
     }
 
 
+def _disagreement(invocation: Invocation, head: store.Head | None) -> list[str]:
+    """The row's columns that differ from the event it counts as its last."""
+    if head is None:
+        return ["event_count"]
+    fields = sorted(invocation.differences_from(head.state))
+    if invocation.head_hash != head.hash:
+        fields.append("head_hash")
+    return fields
+
+
+def projection_broken(invocation_ids: list[str], how: str) -> LedgerError:
+    """The refusal of a unit touching rows that were changed outside the ledger: naming
+    them, and what puts them back. Nothing of the unit is written."""
+    log.error("projection broken invocations=%s: %s", ",".join(invocation_ids), how)
+    return LedgerError(
+        "projection_broken",
+        f"The ledger's record of {', '.join(invocation_ids)} {how}: it was changed outside "
+        "the ledger. Nothing was recorded. An administrator checks it with "
+        "`manage.py verify_ledger --projections` and puts it back from its events with "
+        "`manage.py restore_projection`.",
+        status=500,
+        details={"invocation_ids": invocation_ids},
+    )
+
+
 def runtime_actor(runtime: Runtime) -> str:
     return f"runtime:{runtime.name}"
 
@@ -170,6 +195,8 @@ class _Work:
     # The references that no invocation's evidence named when this unit read them.
     # The write claims each one this unit names (store.Writes.new_references).
     unnamed: set[str] = field(default_factory=set)
+    # Off only for restore_projection, which loads a row that disagrees to put it back.
+    checks_projection: bool = True
 
     # Loading ---------------------------------------------------------------
 
@@ -200,6 +227,7 @@ class _Work:
         self._read_named(loaded.named_by)
         found = {capability.scope: capability for capability in loaded.capabilities}
         self.capabilities = {scope: found.get(scope) for scope in scopes}
+        disagreeing: dict[str, list[str]] = {}
         for invocation, attempts in loaded.invocations:
             self._remember(invocation)
             self.read_event_count[invocation.invocation_id] = invocation.event_count
@@ -207,6 +235,20 @@ class _Work:
                 self.attempts[invocation.invocation_id][attempt.attempt_id] = attempt
                 if outcome is not None:
                     self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
+            if self.checks_projection:
+                head = loaded.heads[invocation.invocation_id]
+                if fields := _disagreement(invocation, head):
+                    disagreeing[invocation.invocation_id] = fields
+        if disagreeing:
+            # Its state would be decided from a row its events do not explain (edited to
+            # retry_allowed, it would admit a second refund) and its next event chained
+            # to a head that is not the chain's.
+            raise projection_broken(
+                sorted(disagreeing),
+                "no longer agrees with its events ("
+                + "; ".join(f"{i}: {', '.join(f)}" for i, f in sorted(disagreeing.items()))
+                + ")",
+            )
 
     def _read_named(self, named_by: dict[str, dict[str, int]]) -> None:
         for reference, named in named_by.items():
@@ -315,12 +357,11 @@ class _Work:
                 )
             )
         except store.ProjectionBehind:
-            raise self._projection_broken() from None
+            raise self._projection_behind() from None
         self._token_confirmed()
 
-    def _projection_broken(self) -> LedgerError:
-        """The refusal for a unit whose invocations' rows count fewer events than they
-        have: naming them, and what puts them back."""
+    def _projection_behind(self) -> LedgerError:
+        """For a unit whose invocations' rows count fewer events than they have."""
         last_seq = dict(
             Event.objects.filter(invocation_id__in=[row.pk for row in self.dirty.values()])
             .values_list("invocation__invocation_id")
@@ -331,16 +372,7 @@ class _Work:
             for invocation_id, read in self.read_event_count.items()
             if last_seq.get(invocation_id, 0) > read
         )
-        log.error("projection behind its events invocations=%s", ",".join(behind))
-        return LedgerError(
-            "projection_broken",
-            f"The ledger's record of {', '.join(behind)} counts fewer events than it has: "
-            "it was changed outside the ledger. Nothing was recorded. An administrator "
-            "checks it with `manage.py verify_ledger --projections` and puts it back "
-            "from its events with `manage.py restore_projection`.",
-            status=500,
-            details={"invocation_ids": behind},
-        )
+        return projection_broken(behind, "counts fewer events than it has")
 
     def _new_references(self) -> list[tuple[str, str]]:
         """The references this unit's events name that no one named when read, each
@@ -839,6 +871,7 @@ def invocation_transition(
     kind: str,
     change: Callable[[Invocation], dict[str, Any] | None],
     now: dt.datetime | None = None,
+    checks_projection: bool = True,
 ) -> Invocation | None:
     """Change one invocation and append the event that explains the change.
 
@@ -854,6 +887,7 @@ def invocation_transition(
         change=change,
         now=now,
         must_exist=True,
+        checks_projection=checks_projection,
     )
     return changed[0] if changed else None
 
@@ -866,6 +900,7 @@ def invocation_transitions(
     change: Callable[[Invocation], dict[str, Any] | None],
     now: dt.datetime | None = None,
     must_exist: bool = False,
+    checks_projection: bool = True,
 ) -> list[Invocation]:
     """`invocation_transition` for many invocations: one read, one write, the changed.
 
@@ -876,7 +911,9 @@ def invocation_transitions(
     for races in range(RACE_RETRIES):
         try:
             with _unit_scope(races, set(invocation_ids)):
-                work = _Work(runtime=None, now=now or timezone.now())
+                work = _Work(
+                    runtime=None, now=now or timezone.now(), checks_projection=checks_projection
+                )
                 work.load(ids=set(invocation_ids))
                 changed = []
                 for invocation_id in invocation_ids:

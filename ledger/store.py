@@ -38,7 +38,7 @@ import functools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import psycopg
@@ -79,6 +79,9 @@ SELECT
   (SELECT coalesce(json_agg(json_build_object(
       'invocation', i,
       'capability', (SELECT row_to_json(c) FROM ledger_capability c WHERE c.id = i.capability_id),
+      -- The event the row says is its last: what a write checks the row against.
+      'head', (SELECT json_build_object('state', e.data -> 'state', 'hash', e.hash)
+               FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = i.event_count),
       'attempts', (SELECT coalesce(json_agg(json_build_object('attempt', a, 'outcome',
                      (SELECT row_to_json(o) FROM ledger_outcome o WHERE o.attempt_id = a.id))),
                      '[]')
@@ -416,6 +419,13 @@ def known_capabilities(scopes: Iterable[str]) -> dict[str, KnownCapability] | No
         return None
 
 
+class Head(NamedTuple):
+    """The event an invocation's row counts as its last: its recorded state and hash."""
+
+    state: dict[str, Any]
+    hash: str
+
+
 @dataclass
 class Loaded:
     capabilities: list[Capability] = field(default_factory=list)
@@ -425,6 +435,8 @@ class Loaded:
     # Business reference -> {invocation_id: runtime id} of the invocations whose
     # evidence names it (a bounded sample).
     named_by: dict[str, dict[str, int]] = field(default_factory=dict)
+    # invocation_id -> the event its row counts as its last (None: it has no such event).
+    heads: dict[str, Head | None] = field(default_factory=dict)
 
 
 class TokenRevoked(Exception):
@@ -468,6 +480,8 @@ def load(
         if entry["capability"]:
             invocation.capability = _instance(Capability, entry["capability"])
         loaded.invocations.append((invocation, attempts))
+        head = entry["head"]
+        loaded.heads[invocation.invocation_id] = head and Head(head["state"] or {}, head["hash"])
     return loaded
 
 

@@ -18,7 +18,8 @@ from django.utils import timezone
 
 from ledger import chain, services
 from ledger.integrity import merkle_root, seal_events, verify
-from ledger.models import Capability, Event, Invocation, Outcome, Seal, SealedEvent
+from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Seal, SealedEvent
+from reconciliation import services as reconciliation_services
 from tests.conftest import Api, intent_body
 
 
@@ -247,10 +248,17 @@ def test_evidence_for_a_row_counting_fewer_events_is_refused_typed_until_restore
     ledger: Api, ada: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its next event would take a number already taken: refused, naming the
-    invocation and the remedy, and nothing is written until the row is put back."""
+    invocation and the remedy, and nothing is written until the row is put back. The
+    row here agrees with the event it counts as its last (its first), so only the
+    write finds it out."""
     ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
     with connection.cursor() as cursor:
-        cursor.execute("UPDATE ledger_invocation SET event_count = 1 WHERE invocation_id = 'inv-5'")
+        cursor.execute(
+            "UPDATE ledger_invocation SET event_count = 1, status = 'recorded', "
+            "attempt_count = 0, in_flight_attempt = '', head_hash = e.hash "
+            "FROM ledger_event e WHERE e.invocation_id = ledger_invocation.id AND e.seq = 1 "
+            "AND ledger_invocation.invocation_id = 'inv-5'"
+        )
     events = Event.objects.filter(invocation__invocation_id="inv-5")
     written = list(events.values_list("seq", "hash"))
 
@@ -260,8 +268,9 @@ def test_evidence_for_a_row_counting_fewer_events_is_refused_typed_until_restore
         "projection_broken",
         {"invocation_ids": ["inv-5"]},
     )
+    assert "inv-5 counts fewer events than it has" in body["error"]["message"]
     assert "manage.py restore_projection" in body["error"]["message"]
-    assert "projection behind its events invocations=inv-5" in caplog.text
+    assert "projection broken invocations=inv-5: counts fewer events" in caplog.text
     batch_status, batch = ledger.post(
         "/api/v1/evidence",
         [{"type": "intent", **intent_body(invocation_id="inv-6", idempotency_key="k-6")},
@@ -276,6 +285,46 @@ def test_evidence_for_a_row_counting_fewer_events_is_refused_typed_until_restore
     status, body = ledger.outcome("inv-5", "a1", kind="succeeded", business_reference="RF-5")
     assert (status, body["status"]) == (201, "succeeded")
     assert verify(projections=True).ok
+
+
+def test_evidence_for_a_row_its_events_do_not_explain_is_refused_typed(
+    ledger: Api, ada: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A refund whose outcome was lost, its row edited to invite a second one: the
+    write reads the event the row counts as its last, and admits nothing."""
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE ledger_invocation SET status = 'retry_allowed', cause = '' "
+            "WHERE invocation_id = 'inv-5'"
+        )
+    events = Event.objects.filter(invocation__invocation_id="inv-5")
+    written = list(events.values_list("seq", "hash"))
+
+    status, body = ledger.attempt("inv-5", "a2")
+    assert (status, body["error"]["type"], body["error"]["details"]) == (
+        500,
+        "projection_broken",
+        {"invocation_ids": ["inv-5"]},
+    )
+    assert "no longer agrees with its events (inv-5: cause, status)" in body["error"]["message"]
+    assert "projection broken invocations=inv-5: no longer agrees" in caplog.text
+    assert list(events.values_list("seq", "hash")) == written
+    assert not Attempt.objects.filter(attempt_id="a2").exists()
+    # The console's and the probes' writes are refused alike.
+    with pytest.raises(services.LedgerError, match="inv-5: cause, status"):
+        reconciliation_services.invocation_claim(invocation_id="inv-5", worker="w")
+
+    restore_command("inv-5")
+    assert ledger.attempt("inv-5", "a2")[1]["error"]["type"] == "attempt_refused"
+    # Its head alone edited: the next event would be chained to a hash not the chain's.
+    Invocation.objects.filter(invocation_id="inv-5").update(head_hash="0" * 64)
+    status, body = ledger.outcome("inv-5", "a1", kind="succeeded", business_reference="RF-5")
+    assert (status, body["error"]["type"]) == (500, "projection_broken")
+    assert "(inv-5: head_hash)" in body["error"]["message"]
+    assert list(events.values_list("seq", "hash"))[-1][0] == 4  # the restoring, no more
+    assert verify().breaks[0].where == "invocation inv-5 head"
 
 
 def test_a_projection_is_not_restored_from_a_broken_chain(ledger: Api, ada: None) -> None:
