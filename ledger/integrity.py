@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import hashlib
 import itertools
@@ -17,7 +16,7 @@ from django.db.models import Max, Min, Q
 from django.utils import timezone
 
 from ledger import chain, policy
-from ledger.models import BLANK_AS_NULL, RECORDED_STATE, Event, Invocation, Seal, SealedEvent
+from ledger.models import Event, Invocation, Seal, SealedEvent
 from ledger.services import LedgerError, event_body, invocation_transition
 from ledger.verify_bundle import merkle_root
 
@@ -144,58 +143,11 @@ def _chain_breaks(invocation: Invocation, events: list[Event]) -> Iterator[Break
 
 
 def _transition_breaks(invocation_id: str, events: list[Event]) -> Iterator[Break]:
-    """The first recorded state the retry policy does not lead to from the one before
-    it, if any. Hashes show what was changed after it was written; this shows a history
-    no service could have written, hashes and all: one rewritten and re-hashed by hand,
-    or one a faulty service wrote."""
-    hints = _intent_hints(events[0])
-    before = policy.InvocationState()
-    for event in events:
-        where = f"invocation {invocation_id} event #{event.seq}"
-        recorded = event.data.get("state", {})
-        if hints is None or any(name not in recorded for name in RECORDED_STATE):
-            return  # written before events recorded the whole state: nothing to replay
-        try:
-            after = policy.InvocationState.parse(
-                attempts=recorded["attempt_count"],
-                **{name: recorded[name] for name in RECORDED_STATE if name != "attempt_count"},
-            )
-        except (ValueError, TypeError):
-            yield Break("transition", where, "a state of the retry policy", repr(recorded))
-            return
-        if not policy.explains(before, after, hints):
-            yield Break(
-                "transition",
-                where,
-                f"a step of the retry policy from {_described(before)}",
-                f"{event.kind} recording {_described(after)}",
-            )
-            return
-        before = after
-
-
-HINTS_RECORDED = frozenset({"readonly", "idempotency_verified", "max_attempts"})
-
-
-def _intent_hints(intent: Event) -> policy.Hints | None:
-    """The capability's hints as the intent recorded them (the policy's for its life)."""
-    hints = intent.data.get("hints")
-    if not isinstance(hints, dict) or not hints.keys() >= HINTS_RECORDED:
-        return None
-    return policy.Hints(
-        readonly=hints["readonly"],
-        idempotency_verified=hints["idempotency_verified"],
-        max_attempts=hints["max_attempts"],
-    )
-
-
-def _described(state: policy.InvocationState) -> str:
-    shown = ((f.name, getattr(state, f.name)) for f in dataclasses.fields(state))
-    return ", ".join(
-        f"{name} {','.join(sorted(value)) if isinstance(value, frozenset) else value}"
-        for name, value in shown
-        if value or name == "attempts"
-    )
+    """The first recorded state the retry policy does not lead to (policy.replay)."""
+    unexplained = policy.replay((event.seq, event.kind, event.data) for event in events)
+    if unexplained is not None:
+        where = f"invocation {invocation_id} event #{unexplained.seq}"
+        yield Break("transition", where, unexplained.expected, unexplained.found)
 
 
 def _head_differs(invocation: Invocation, last: Event) -> bool:
@@ -243,7 +195,7 @@ def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[s
             last.data.get("state", {})
         ).items():
             restored[name] = {"found": found, "recorded": recorded}
-            blank = "" if name in BLANK_AS_NULL else recorded
+            blank = "" if name in policy.BLANK_AS_NULL else recorded
             setattr(invocation, name, recorded if recorded is not None else blank)
         if _head_differs(invocation, last):
             restored["head"] = {

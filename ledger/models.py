@@ -219,20 +219,6 @@ class InvocationQuerySet(models.QuerySet["Invocation"]):
         return self.filter(status=policy.Status.RECONCILING, lease_expires_at__lte=now)
 
 
-# What each event records of its invocation's state (services._state_summary, where a
-# blank column is recorded as null): what the row is checked against and put back to.
-RECORDED_STATE = (
-    "status",
-    "failure_class",
-    "cause",
-    "resolution",
-    "flags",
-    "attempt_count",
-    "in_flight_attempt",
-)
-BLANK_AS_NULL = frozenset({"failure_class", "cause", "resolution", "in_flight_attempt"})
-
-
 class Invocation(models.Model):
     """One governed invocation: the intent, plus its current state as a projection.
 
@@ -386,11 +372,11 @@ class Invocation(models.Model):
         """Each column that differs from the state an event recorded: (recorded, found).
         What an event did not record (those of an earlier version) is not compared."""
         differences = {}
-        for name in RECORDED_STATE:
+        for name in policy.RECORDED_STATE:
             if name not in recorded:
                 continue
             found = getattr(self, name)
-            if name in BLANK_AS_NULL:
+            if name in policy.BLANK_AS_NULL:
                 found = found or None
             if recorded[name] != found:
                 differences[name] = (recorded[name], found)

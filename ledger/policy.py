@@ -3,6 +3,8 @@
 No Django here: the services load an invocation into an `InvocationState`, ask this
 module what the next state is, and persist what it answers. Every transition either
 returns a new state or raises `Refused` with the typed reason the API reports.
+`replay` checks a recorded history against the same rules. Standard library only:
+the offline bundle verifier imports this module.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
+from typing import Any
 
 
 class Status(StrEnum):
@@ -135,8 +138,10 @@ class InvocationState:
         resolution: str | None,
         flags: Iterable[str],
     ) -> InvocationState:
-        """From stored values, where blank or null means none; ValueError for a value
-        that is not this module's."""
+        """From stored values, where blank or null means none; ValueError or TypeError
+        for a value that is not this module's."""
+        if type(attempts) is not int or not isinstance(in_flight_attempt, str | None):
+            raise TypeError(f"attempts {attempts!r}, in flight {in_flight_attempt!r}")
         return cls(
             status=Status(status),
             failure_class=OutcomeKind(failure_class) if failure_class else None,
@@ -145,6 +150,15 @@ class InvocationState:
             in_flight_attempt=in_flight_attempt or None,
             resolution=Effect(resolution) if resolution else None,
             flags=frozenset(Flag(flag) for flag in flags),
+        )
+
+    def described(self) -> str:
+        """Its fields that are set, for people: `status in_flight, attempts 1, …`."""
+        shown = ((f.name, getattr(self, f.name)) for f in fields(self))
+        return ", ".join(
+            f"{name} {','.join(sorted(value)) if isinstance(value, frozenset) else value}"
+            for name, value in shown
+            if value or name == "attempts"
         )
 
     @property
@@ -400,6 +414,75 @@ def reject_proposal(state: InvocationState) -> InvocationState:
 
 
 # Replaying a recorded history ---------------------------------------------------
+
+# What each event records of its invocation's state (services._state_summary), a blank
+# column recorded as null, and what an intent records of its capability's hints.
+RECORDED_STATE = (
+    "status",
+    "failure_class",
+    "cause",
+    "resolution",
+    "flags",
+    "attempt_count",
+    "in_flight_attempt",
+)
+BLANK_AS_NULL = frozenset({"failure_class", "cause", "resolution", "in_flight_attempt"})
+RECORDED_HINTS = ("readonly", "idempotency_verified", "max_attempts")
+
+
+@dataclass(frozen=True)
+class Unexplained:
+    """The first recorded state a replay finds no rule leading to."""
+
+    seq: int
+    expected: str
+    found: str
+
+
+def replay(events: Iterable[tuple[int, str, Mapping[str, Any]]]) -> Unexplained | None:
+    """Replay one invocation's events (seq, kind, data), from its intent: the first
+    recorded state no rule leads to from the one before, or None.
+
+    Hashes show what was changed after it was written; this shows a history no
+    service could have written, hashes and all: rewritten and re-hashed by hand, or
+    written by a faulty service. Events from before the whole state was recorded are
+    not replayed. Standard library only: the offline bundle verifier replays too.
+    """
+    hints: Hints | None = None
+    before = InvocationState()
+    for seq, kind, data in events:
+        if hints is None:
+            recorded_hints = data.get("hints")
+            if not isinstance(recorded_hints, Mapping) or any(
+                name not in recorded_hints for name in RECORDED_HINTS
+            ):
+                return None
+            hints = Hints(**{name: recorded_hints[name] for name in RECORDED_HINTS})
+            if not (
+                isinstance(hints.readonly, bool)
+                and isinstance(hints.idempotency_verified, bool)
+                and type(hints.max_attempts) is int
+            ):
+                return Unexplained(seq, "hints of a capability", repr(dict(recorded_hints)))
+        recorded = data.get("state")
+        if not isinstance(recorded, Mapping) or any(n not in recorded for n in RECORDED_STATE):
+            return None
+        try:
+            after = InvocationState.parse(
+                attempts=recorded["attempt_count"],
+                **{name: recorded[name] for name in RECORDED_STATE if name != "attempt_count"},
+            )
+        except (ValueError, TypeError):
+            return Unexplained(seq, "a state of the retry policy", repr(dict(recorded)))
+        if not explains(before, after, hints):
+            return Unexplained(
+                seq,
+                f"a step of the retry policy from {before.described()}",
+                f"{kind} recording {after.described()}",
+            )
+        before = after
+    return None
+
 
 # In the states compared below, the attempt in flight before the step and one newly
 # admitted by it: ids are the runtime's, and only whether they changed matters here.

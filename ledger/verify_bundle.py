@@ -14,7 +14,10 @@ A bundle (`manage.py export_bundle`) holds:
 
 It checks the manifest, every event hash and chain link (per invocation, from its
 first event), every seal's hash, chain and Merkle root, and that each event sits in
-its seal where the bundle says. Prints OK or each failure; exit status 1 on failure.
+its seal where the bundle says; and it replays each intact chain's recorded states
+through the ledger's retry policy (`ledger/policy.py`, standard library too), so that
+a history no rule leads to is found. Prints OK or each failure; exit status 1 on
+failure.
 
 All of that a forger could recompute. What ties a bundle to the ledger is a seal hash
 kept outside it: the ledger logs each seal's hash as it makes it (`sealed ...
@@ -33,6 +36,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from ledger import policy
 
 GENESIS = "0" * 64
 
@@ -71,9 +76,14 @@ def verify(folder: Path, trusted: Iterable[str] = ()) -> tuple[list[str], int]:
 
     heads: dict[str, tuple[int, str]] = {}
     placed: dict[str, tuple[int, str]] = {}
+    histories: dict[str, list[tuple[int, str, dict[str, Any]]]] = {}
+    broken: set[str] = set()  # a broken chain is reported as such, not replayed
     for record in _lines(folder / "events.jsonl"):
         body = json.loads(record["body"])
         where = f"invocation {body['invocation_id']} event #{body['seq']}"
+        found_before = len(problems)
+        history = histories.setdefault(body["invocation_id"], [])
+        history.append((body["seq"], body["kind"], body["data"]))
         seq, prev = heads.get(body["invocation_id"], (0, GENESIS))
         if body["seq"] != seq + 1:
             problems.append(f"{where}: expected event #{seq + 1}")
@@ -82,9 +92,19 @@ def verify(folder: Path, trusted: Iterable[str] = ()) -> tuple[list[str], int]:
         computed = sha256(body["prev_hash"].encode() + record["body"].encode())
         if computed != record["hash"]:
             problems.append(f"{where}: hash {record['hash']}, body hashes to {computed}")
+        if len(problems) > found_before:
+            broken.add(body["invocation_id"])
         heads[body["invocation_id"]] = (body["seq"], record["hash"])
         if record.get("sequence") is not None:
             placed[record["hash"]] = (record["sequence"], record["seal"])
+
+    for invocation_id, history in histories.items():
+        unexplained = None if invocation_id in broken else policy.replay(history)
+        if unexplained is not None:
+            problems.append(
+                f"invocation {invocation_id} event #{unexplained.seq}: expected "
+                f"{unexplained.expected}, found {unexplained.found}"
+            )
 
     prev_seal = None
     chain: list[str] = []  # the bundle's seal hashes, oldest first

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
+from ledger import chain
 from ledger.integrity import seal_events
 from ledger.models import Capability
 from ledger.tasks import seal_new_events
@@ -77,6 +78,24 @@ def test_a_consistent_forgery_still_breaks_the_chain(bundle: Path) -> None:
     result = verify(bundle)
     assert result.returncode == 1
     assert "invocation inv-1 event #3: hash" in result.stdout
+
+
+def test_a_history_no_rule_leads_to_fails_it_hashes_and_all(bundle: Path) -> None:
+    """An unsealed event's state rewritten, its hash and the manifest recomputed: every
+    hash checks out, and the replay through the retry policy finds it."""
+    records = [json.loads(line) for line in (bundle / "events.jsonl").read_text().splitlines()]
+    (record,) = [r for r in records if json.loads(r["body"])["invocation_id"] == "inv-3"]
+    body = json.loads(record["body"])
+    body["data"]["state"]["status"] = "succeeded"
+    record["body"] = chain.canonical(body).decode()
+    record["hash"] = sha256(body["prev_hash"].encode() + record["body"].encode())
+    forge(bundle, "events.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    result = verify(bundle)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        "FAIL invocation inv-3 event #1: expected a step of the retry policy from status "
+        "recorded, attempts 0, found intent_recorded recording status succeeded, attempts 0"
+    ]
 
 
 def test_one_invocations_bundle_carries_its_whole_chain(bundle: Path, tmp_path: Path) -> None:
