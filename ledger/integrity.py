@@ -107,6 +107,11 @@ class Report:
         return not self.breaks
 
     @property
+    def histories_unexplained(self) -> bool:
+        """Some intact chain records a history no rule of the retry policy leads to."""
+        return any(broken.what == "transition" for broken in self.breaks)
+
+    @property
     def projections_broken(self) -> bool:
         """Some row disagrees with its events (restore_projection puts it back)."""
         return any(broken.what == "projection" for broken in self.breaks)
@@ -140,6 +145,15 @@ def _chain_breaks(invocation: Invocation, events: list[Event]) -> Iterator[Break
             f"{len(events)} events ending {events[-1].hash}",
             f"{invocation.event_count} events ending {invocation.head_hash}",
         )
+
+
+# What the command and the page tell whoever finds an unexplained history.
+UNEXPLAINED_HISTORY_ADVICE = (
+    "A history the retry policy does not explain, with every hash intact, was written "
+    "around the ledger (its hashes recomputed) or by a faulty release: compare its events "
+    "with a backup and, where sealed, with the sealer's logged seal hashes. "
+    "restore_projection does not repair it: the row would be put back to that history."
+)
 
 
 def _transition_breaks(invocation_id: str, events: list[Event]) -> Iterator[Break]:

@@ -31,7 +31,7 @@ from ledger.audit import (
     page_cursor,
     search,
 )
-from ledger.integrity import more_events_than, verify
+from ledger.integrity import UNEXPLAINED_HISTORY_ADVICE, more_events_than, verify
 from ledger.metrics import exposition
 from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
@@ -228,7 +228,8 @@ def action_log(request: HttpRequest) -> HttpResponse:
 @require_GET
 @role_required(*READERS)
 def audit_verify(request: HttpRequest) -> HttpResponse:
-    """Recompute chains, seals and projections for a time range, in the browser.
+    """Recompute chains, replay them, and check seals and projections for a time range,
+    in the browser.
 
     A range that does not parse is shown as an error and nothing is verified: the
     reviewer must never take the whole ledger's answer for the range they typed.
@@ -244,5 +245,10 @@ def audit_verify(request: HttpRequest) -> HttpResponse:
             too_many = limit
         else:
             report = verify(since=since, until=until, projections=True)
-    context = {"form": form, "report": report, "too_many": too_many}
+    context = {
+        "form": form,
+        "report": report,
+        "too_many": too_many,
+        "unexplained_history_advice": UNEXPLAINED_HISTORY_ADVICE,
+    }
     return render(request, "ledger/verify.html", context)

@@ -171,8 +171,16 @@ def test_a_history_rewritten_with_its_hashes_recomputed_is_found_by_replay(ledge
         "outcome_recorded recording status retry_allowed, "
         "failure_class post_dispatch_evidence_failed, attempts 1"
     )
+    out = io.StringIO()
     with pytest.raises(CommandError, match="1 broken link"):
-        verify_command()
+        call_command("verify_ledger", stdout=out)
+    assert "transition broken at invocation inv-5 event #3" in out.getvalue()
+    assert "restore_projection does not repair it" in out.getvalue()
+    client = Client()
+    client.force_login(User.objects.create_superuser("root"))
+    page = client.get("/audit/verify/", {"run": "1"}).content.decode()
+    assert "transition broken at invocation inv-5 event #3" in page
+    assert "restore_projection does not repair it" in page
 
 
 @pytest.mark.rewrites_history

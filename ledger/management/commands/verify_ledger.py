@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ledger.integrity import verify
+from ledger.integrity import UNEXPLAINED_HISTORY_ADVICE, verify
 
 
 def moment(value: str) -> dt.datetime:
@@ -39,6 +39,8 @@ class Command(BaseCommand):
                 "A row that disagrees with intact events is put back from them by "
                 "`manage.py restore_projection INVOCATION_ID --by ADMIN --reason TEXT`."
             )
+        if report.histories_unexplained:
+            self.stdout.write(UNEXPLAINED_HISTORY_ADVICE)
         if not report.ok:
             raise CommandError(f"{len(report.breaks)} broken link(s) in {summary}")
         self.stdout.write(f"OK: {summary} verified")
