@@ -50,6 +50,17 @@ def verify_command(*args: str) -> str:
     return out.getvalue()
 
 
+def one_break_reported(*args: str) -> tuple[str, str]:
+    """What verify_ledger (failing, with one break) prints and what the Verify page shows."""
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="1 broken link"):
+        call_command("verify_ledger", *args, stdout=out)
+    client = Client()
+    client.force_login(User.objects.create_superuser("root"))
+    page = client.get("/audit/verify/", {"run": "1"}).content.decode()
+    return out.getvalue(), page
+
+
 def event_id(invocation_id: str, seq: int) -> int:
     return Event.objects.get(invocation__invocation_id=invocation_id, seq=seq).pk
 
@@ -114,13 +125,8 @@ def test_a_rewritten_projection_is_found(ledger: Api) -> None:
     assert [(b.where, b.expected, b.found) for b in breaks] == [
         ("invocation inv-1 status", "'succeeded'", "'failed'")
     ]
-    out = io.StringIO()
-    with pytest.raises(CommandError, match="1 broken link"):
-        call_command("verify_ledger", "--projections", stdout=out)
-    assert "manage.py restore_projection INVOCATION_ID" in out.getvalue()
-    client = Client()
-    client.force_login(User.objects.create_superuser("root"))
-    page = client.get("/audit/verify/", {"run": "1"}).content.decode()
+    output, page = one_break_reported("--projections")
+    assert "manage.py restore_projection INVOCATION_ID" in output
     assert "projection broken at invocation inv-1 status" in page
     assert "manage.py restore_projection INVOCATION_ID" in page
 
@@ -171,14 +177,9 @@ def test_a_history_rewritten_with_its_hashes_recomputed_is_found_by_replay(ledge
         "outcome_recorded recording status retry_allowed, "
         "failure_class post_dispatch_evidence_failed, attempts 1"
     )
-    out = io.StringIO()
-    with pytest.raises(CommandError, match="1 broken link"):
-        call_command("verify_ledger", stdout=out)
-    assert "transition broken at invocation inv-5 event #3" in out.getvalue()
-    assert "restore_projection does not repair it" in out.getvalue()
-    client = Client()
-    client.force_login(User.objects.create_superuser("root"))
-    page = client.get("/audit/verify/", {"run": "1"}).content.decode()
+    output, page = one_break_reported()
+    assert "transition broken at invocation inv-5 event #3" in output
+    assert "restore_projection does not repair it" in output
     assert "transition broken at invocation inv-5 event #3" in page
     assert "restore_projection does not repair it" in page
 
