@@ -151,6 +151,12 @@ def _disagreement(invocation: Invocation, head: store.Head | None) -> list[str]:
     return fields
 
 
+def _rows_disagreeing(fields: dict[str, list[str]]) -> LedgerError:
+    """projection_broken for rows whose fields differ from their last events'."""
+    listed = "; ".join(f"{i}: {', '.join(names)}" for i, names in sorted(fields.items()))
+    return projection_broken(sorted(fields), f"no longer agrees with its events ({listed})")
+
+
 def projection_broken(invocation_ids: list[str], how: str) -> LedgerError:
     """The refusal of a unit touching rows that were changed outside the ledger: naming
     them, and what puts them back. Nothing of the unit is written."""
@@ -243,12 +249,7 @@ class _Work:
             # Its state would be decided from a row its events do not explain (edited to
             # retry_allowed, it would admit a second refund) and its next event chained
             # to a head that is not the chain's.
-            raise projection_broken(
-                sorted(disagreeing),
-                "no longer agrees with its events ("
-                + "; ".join(f"{i}: {', '.join(f)}" for i, f in sorted(disagreeing.items()))
-                + ")",
-            )
+            raise _rows_disagreeing(disagreeing)
 
     def _read_named(self, named_by: dict[str, dict[str, int]]) -> None:
         for reference, named in named_by.items():
@@ -854,13 +855,22 @@ def record_outcome(*, runtime: Runtime, outcome: OutcomeInput) -> Applied:
 
 
 def invocation_detail(*, runtime: Runtime, invocation_id: str) -> store.Detail | None:
-    """The runtime's own invocation with its attempts, outcomes and events, or None."""
+    """The runtime's own invocation with its attempts, outcomes and events, or None.
+
+    A row its events do not explain is refused as a write touching it would be: its
+    typed state would tell the runtime what no event says (retryable, say)."""
     found = store.detail(
         invocation_id=invocation_id,
         runtime_id=runtime.pk,
         confirm_token=runtime.unconfirmed_token_id,
     )
     runtime.unconfirmed_token_id = None
+    if found is not None:
+        invocation = found.invocation
+        head = next((e for e in found.events if e.seq == invocation.event_count), None)
+        recorded = store.Head(head.data.get("state", {}), head.hash) if head else None
+        if fields := _disagreement(invocation, recorded):
+            raise _rows_disagreeing({invocation_id: fields})
     return found
 
 

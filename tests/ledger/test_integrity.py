@@ -229,7 +229,12 @@ def test_a_rewritten_projection_is_restored_from_its_events_on_the_record(
             "'pre_dispatch_rejected', cause = '', event_count = 2, head_hash = repeat('0', 64) "
             "WHERE invocation_id = 'inv-5'"
         )
-    assert ledger.get("/api/v1/invocations/inv-5")[1]["retryable"] is True
+    # Its typed state would say retryable, which no event says: refused, as writes are.
+    status, body = ledger.get("/api/v1/invocations/inv-5")
+    assert (status, body["error"]["type"]) == (500, "projection_broken")
+    assert (
+        "(inv-5: failure_class, in_flight_attempt, status, head_hash)" in (body["error"]["message"])
+    )
     assert [b.where for b in verify(projections=True).breaks] == [
         "invocation inv-5 head",
         "invocation inv-5 status",
