@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Max
+from django.db.models import Max, OuterRef, QuerySet, Subquery
 from django.utils import timezone
 
 from ledger import chain, policy, store
@@ -852,6 +852,28 @@ def admit_attempt(*, runtime: Runtime, invocation_id: str, attempt_id: str) -> A
 
 def record_outcome(*, runtime: Runtime, outcome: OutcomeInput) -> Applied:
     return _single(runtime, outcome)
+
+
+def with_heads(rows: QuerySet[Invocation]) -> QuerySet[Invocation]:
+    """The rows, each with the recorded state and hash of the event it counts as its
+    last (`refuse_rows_disagreeing` compares them)."""
+    head = Event.objects.filter(invocation=OuterRef("pk"), seq=OuterRef("event_count"))
+    return rows.annotate(
+        head_state=Subquery(head.values("data__state")),
+        head_event_hash=Subquery(head.values("hash")),
+    )
+
+
+def refuse_rows_disagreeing(rows: Iterable[Invocation]) -> None:
+    """projection_broken if a row (`with_heads`) disagrees with its last event: its
+    typed state would tell a runtime what no event says."""
+    disagreeing = {}
+    for row in rows:
+        state, hash_ = row.head_state, row.head_event_hash  # type: ignore[attr-defined]
+        if fields := _disagreement(row, store.Head(state or {}, hash_) if hash_ else None):
+            disagreeing[row.invocation_id] = fields
+    if disagreeing:
+        raise _rows_disagreeing(disagreeing)
 
 
 def invocation_detail(*, runtime: Runtime, invocation_id: str) -> store.Detail | None:

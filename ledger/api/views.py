@@ -284,9 +284,10 @@ class InvocationListView(RuntimeAPIView):
             rows = rows.filter(status=params["status"])
         if "after" in params:
             rows = rows.filter(id__gt=params["after"])
-        page = list(rows[: params["limit"] + 1])
+        page = list(services.with_heads(rows)[: params["limit"] + 1])
         more = len(page) > params["limit"]
         page = page[: params["limit"]]
+        services.refuse_rows_disagreeing(page)
         next_url = None
         if more:
             cursor = request.query_params.copy()

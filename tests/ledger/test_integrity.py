@@ -232,9 +232,9 @@ def test_a_rewritten_projection_is_restored_from_its_events_on_the_record(
     # Its typed state would say retryable, which no event says: refused, as writes are.
     status, body = ledger.get("/api/v1/invocations/inv-5")
     assert (status, body["error"]["type"]) == (500, "projection_broken")
-    assert (
-        "(inv-5: failure_class, in_flight_attempt, status, head_hash)" in (body["error"]["message"])
-    )
+    assert "inv-5: failure_class, in_flight_attempt, status, head_hash" in body["error"]["message"]
+    status, body = ledger.get("/api/v1/invocations")
+    assert (status, body["error"]["details"]) == (500, {"invocation_ids": ["inv-5"]})
     assert [b.where for b in verify(projections=True).breaks] == [
         "invocation inv-5 head",
         "invocation inv-5 status",
@@ -247,6 +247,11 @@ def test_a_rewritten_projection_is_restored_from_its_events_on_the_record(
     assert "inv-5: restored status 'retry_allowed' -> 'reconciliation_required', " in output
     assert "inv-1: agrees with its events; nothing written" in output
     assert verify(projections=True).ok
+    status, listed = ledger.get("/api/v1/invocations")
+    assert (status, [row["invocation_id"] for row in listed["results"]]) == (
+        200,
+        ["inv-1", "inv-2", "inv-3", "inv-4", "inv-5"],
+    )
     _, body = ledger.get("/api/v1/invocations/inv-5")
     assert (body["status"], body["failure_class"], body["retryable"]) == (
         "reconciliation_required",
