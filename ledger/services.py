@@ -887,13 +887,18 @@ def invocation_detail(*, runtime: Runtime, invocation_id: str) -> store.Detail |
         confirm_token=runtime.unconfirmed_token_id,
     )
     runtime.unconfirmed_token_id = None
-    if found is not None:
-        invocation = found.invocation
-        head = next((e for e in found.events if e.seq == invocation.event_count), None)
-        recorded = store.Head(head.data.get("state", {}), head.hash) if head else None
-        if fields := _disagreement(invocation, recorded):
-            raise _rows_disagreeing({invocation_id: fields})
+    if found is not None and (fields := disagreement(found.invocation, found.events)):
+        raise _rows_disagreeing({invocation_id: fields})
     return found
+
+
+def disagreement(invocation: Invocation, events: Iterable[Event]) -> list[str]:
+    """The row's columns that differ from the event it counts as its last, among its
+    `events`: a row changed outside the ledger, which nothing acts on."""
+    head = next((e for e in events if e.seq == invocation.event_count), None)
+    return _disagreement(
+        invocation, store.Head(head.data.get("state", {}), head.hash) if head else None
+    )
 
 
 def invocation_transition(

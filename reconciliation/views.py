@@ -28,7 +28,7 @@ from ledger.audit import invocations_naming
 from ledger.metrics import background_work
 from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
-from ledger.services import LedgerError, event_body
+from ledger.services import LedgerError, disagreement, event_body
 from reconciliation import services
 from reconciliation.forms import (
     MAX_RISK_RANK,
@@ -246,6 +246,7 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
         "has_probe": has_probe(invocation),
         "state": invocation.state(),
         "timeline": events,
+        "disagreement": disagreement(invocation, [e["event"] for e in events]),
         "attempts": invocation.attempts.select_related("outcome").order_by("number"),
         "probe_runs": [probe_run_row(e["event"]) for e in events if e["event"].kind == "probe_run"],
         "can_act": flagged and bool(user_roles & set(ACTORS)),

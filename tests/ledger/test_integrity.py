@@ -14,6 +14,7 @@ from django.core.management.base import CommandError
 from django.db import IntegrityError, connection, transaction
 from django.db.utils import ProgrammingError
 from django.test import Client, override_settings
+from django.urls import reverse
 from django.utils import timezone
 
 from ledger import chain, services
@@ -342,11 +343,17 @@ def test_evidence_for_a_row_its_events_do_not_explain_is_refused_typed(
     assert "projection broken invocations=inv-5: no longer agrees" in caplog.text
     assert list(events.values_list("seq", "hash")) == written
     assert not Attempt.objects.filter(attempt_id="a2").exists()
-    # The console's and the probes' writes are refused alike.
+    # The console's and the probes' writes are refused alike, and the console says so.
     with pytest.raises(services.LedgerError, match="inv-5: cause, status"):
         reconciliation_services.invocation_claim(invocation_id="inv-5", worker="w")
+    console = Client()
+    console.force_login(User.objects.get(username="ada"))
+    page = console.get(reverse("console:invocation", args=["inv-5"])).content.decode()
+    assert "This record no longer agrees with its events (cause, status)" in page
 
     restore_command("inv-5")
+    page = console.get(reverse("console:invocation", args=["inv-5"])).content.decode()
+    assert "no longer agrees" not in page
     assert ledger.attempt("inv-5", "a2")[1]["error"]["type"] == "attempt_refused"
     # Its head alone edited: the next event would be chained to a hash not the chain's.
     Invocation.objects.filter(invocation_id="inv-5").update(head_hash="0" * 64)
