@@ -429,6 +429,20 @@ RECORDED_STATE = (
 BLANK_AS_NULL = frozenset({"failure_class", "cause", "resolution", "in_flight_attempt"})
 RECORDED_HINTS = ("readonly", "idempotency_verified", "max_attempts")
 
+# The flags a service sets beside a rule, by the kind of event that records them:
+# what the capability lacked at the intent, a claim contradicting the recorded
+# outcome, a business reference other invocations' evidence names. Any other event
+# adding a flag no rule adds is a history no service wrote.
+FLAGS_BESIDE_A_RULE: Mapping[str, frozenset[Flag]] = {
+    "intent_recorded": frozenset({Flag.UNDECLARED, Flag.APPROVAL_MISSING}),
+    "outcome_conflict": frozenset({Flag.EVIDENCE_CONFLICT}),
+    "outcome_recorded": frozenset({Flag.REFERENCE_SHARED}),
+    "late_outcome_recorded": frozenset({Flag.REFERENCE_SHARED}),
+    "probe_run": frozenset({Flag.REFERENCE_SHARED}),
+    "resolution": frozenset({Flag.REFERENCE_SHARED}),
+    "resolution_approved": frozenset({Flag.REFERENCE_SHARED}),
+}
+
 
 @dataclass(frozen=True)
 class Unexplained:
@@ -474,7 +488,7 @@ def replay(events: Iterable[tuple[int, str, Mapping[str, Any]]]) -> Unexplained 
             )
         except (ValueError, TypeError):
             return Unexplained(seq, "a state of the retry policy", repr(dict(recorded)))
-        if not explains(before, after, hints):
+        if not explains(before, after, hints, FLAGS_BESIDE_A_RULE.get(kind, frozenset())):
             return Unexplained(
                 seq,
                 f"a step of the retry policy from {before.described()}",
@@ -490,18 +504,23 @@ IN_FLIGHT_BEFORE = "(in flight before)"
 ADMITTED_NOW = "(admitted now)"
 
 
-def explains(before: InvocationState, after: InvocationState, hints: Hints) -> bool:
-    """Whether one rule of this module, with flags added beside it, leads from `before`
-    to `after`: what `verify_ledger` asks of every pair of consecutive recorded states,
-    so that a history no service could have written is found even where every hash
-    checks out."""
+def explains(
+    before: InvocationState,
+    after: InvocationState,
+    hints: Hints,
+    beside: frozenset[Flag] = frozenset(),
+) -> bool:
+    """Whether one rule of this module, with only flags of `beside` added beside it,
+    leads from `before` to `after`: what `verify_ledger` asks of every pair of
+    consecutive recorded states, so that a history no service could have written is
+    found even where every hash checks out."""
     previous = before.in_flight_attempt
     if previous:
         before = replace(before, in_flight_attempt=IN_FLIGHT_BEFORE)
     now = after.in_flight_attempt
     in_flight = now and (IN_FLIGHT_BEFORE if now == previous else ADMITTED_NOW)
     flags_added_by = _steps(before, hints).get(_unflagged(after, in_flight), ())
-    return any(flags <= after.flags for flags in flags_added_by)
+    return any(flags <= after.flags <= flags | beside for flags in flags_added_by)
 
 
 type Unflagged = tuple[object, ...]

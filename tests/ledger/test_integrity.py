@@ -186,6 +186,19 @@ def test_a_history_rewritten_with_its_hashes_recomputed_is_found_by_replay(ledge
 
 
 @pytest.mark.rewrites_history
+def test_a_flag_added_by_an_event_that_never_sets_it_is_found(ledger: Api) -> None:
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    # An admission cannot find the capability undeclared: only its intent can.
+    rewrite_with_hashes("inv-5", 2, flags=["undeclared"])
+    breaks = verify().breaks
+    assert [(b.what, b.where) for b in breaks] == [("transition", "invocation inv-5 event #2")]
+    assert breaks[0].found == (
+        "attempt_admitted recording status in_flight, attempts 1, in_flight_attempt a1, "
+        "flags undeclared"
+    )
+
+
+@pytest.mark.rewrites_history
 @pytest.mark.parametrize(
     ("field", "value", "shown"),
     [

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ledger.policy import (
+    FLAGS_BESIDE_A_RULE,
     NEEDS_RECONCILIATION,
     TERMINAL,
     Cause,
@@ -217,7 +218,7 @@ SUCCEEDED = InvocationState(status=Status.SUCCEEDED, attempts=1)
         (InvocationState(), IN_FLIGHT, True),
         (IN_FLIGHT, REPORTED_LOST, True),
         (IN_FLIGHT, SUCCEEDED, True),
-        (SUCCEEDED, replace(SUCCEEDED, flags=frozenset({Flag.REFERENCE_SHARED})), True),
+        (SUCCEEDED, replace(SUCCEEDED, flags=frozenset({Flag.REFERENCE_SHARED})), False),
         # Reported lost on a write: retry only after reconciliation says it is safe.
         (IN_FLIGHT, replace(REPORTED_LOST, status=Status.RETRY_ALLOWED, cause=None), False),
         (REPORTED_LOST, replace(REPORTED_LOST, status=Status.RETRY_ALLOWED), False),
@@ -237,6 +238,17 @@ def test_a_recorded_step_is_explained_only_by_a_rule(
     before: InvocationState, after: InvocationState, explained: bool
 ) -> None:
     assert explains(before, after, Hints()) is explained
+
+
+def test_a_flag_is_explained_only_by_an_event_that_sets_it() -> None:
+    shared = replace(SUCCEEDED, flags=frozenset({Flag.REFERENCE_SHARED}))
+    late_success = FLAGS_BESIDE_A_RULE["late_outcome_recorded"]
+    assert explains(SUCCEEDED, shared, Hints(), late_success)
+    assert not explains(SUCCEEDED, shared, Hints(), FLAGS_BESIDE_A_RULE["intent_recorded"])
+    undeclared = replace(SUCCEEDED, flags=frozenset({Flag.UNDECLARED}))
+    assert not explains(SUCCEEDED, undeclared, Hints(), late_success)
+    # A flag already set stays explained by every later event.
+    assert explains(shared, replace(shared, status=Status.SUCCEEDED), Hints())
 
 
 def test_whether_a_step_is_explained_depends_on_the_capability() -> None:
