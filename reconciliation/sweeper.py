@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from django.utils import timezone
 
@@ -21,11 +21,14 @@ log = logging.getLogger(__name__)
 FLAGS_PER_WRITE = 100
 
 
-def overdue_invocation_ids(*, now: dt.datetime, limit: int) -> list[str]:
+def overdue_invocation_ids(
+    *, now: dt.datetime, limit: int, besides: Collection[str] = ()
+) -> list[str]:
     """Oldest deadlines first, through the partial index invocation_in_flight_deadline:
     the cost follows the number of in-flight invocations, not the table."""
     return list(
         Invocation.objects.overdue(now)
+        .exclude(invocation_id__in=besides)
         .order_by("deadline_at")
         .values_list("invocation_id", flat=True)[:limit]
     )
@@ -39,17 +42,25 @@ def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
     flagged twice.
     """
     flagged = 0
+    # What a round leaves unflagged (an outcome won, or the ledger refused a row that
+    # disagrees with its events) is not read again: every round flags or passes over
+    # each of its candidates, so the sweep ends, and however many rows are refused,
+    # the rest are flagged.
+    passed_over: set[str] = set()
     while True:
         # An explicit `now` (tests) also stamps the events; otherwise each unit's
         # flags carry the moment it was made.
-        candidates = overdue_invocation_ids(now=now or timezone.now(), limit=batch)
+        candidates = overdue_invocation_ids(
+            now=now or timezone.now(), limit=batch, besides=passed_over
+        )
         done = [
             invocation_id
             for unit in itertools.batched(candidates, FLAGS_PER_WRITE)
             for invocation_id in _flag(list(unit), now)
         ]
         flagged += len(done)
-        if len(candidates) < batch or not done:
+        passed_over.update(set(candidates) - set(done))
+        if len(candidates) < batch:
             break
     if flagged:
         log.info("sweep flagged=%d", flagged)

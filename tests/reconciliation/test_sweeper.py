@@ -173,6 +173,21 @@ def test_a_row_tampered_with_is_skipped_and_logged_and_the_rest_reconciled(
     assert "probe refused invocation=inv-1 error=projection_broken" in caplog.text
 
 
+def test_a_whole_round_of_rows_tampered_with_does_not_stop_the_sweep(
+    api: Api, three_in_flight: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    count_fewer_events("inv-1")
+    count_fewer_events("inv-2")
+    # The two oldest deadlines fill the first round, and both are refused.
+    assert sweeper.sweep(now=past_deadline(), batch=2) == 1
+    assert statuses() == {
+        "inv-1": "in_flight",
+        "inv-2": "in_flight",
+        "inv-3": "reconciliation_required",
+    }
+    assert caplog.text.count("sweep skipped invocation=") == 2
+
+
 def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
     api: Api, refund: Capability
 ) -> None:
