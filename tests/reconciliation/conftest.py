@@ -50,6 +50,27 @@ def status_of(invocation_id: str) -> str:
     return Invocation.objects.get(invocation_id=invocation_id).status
 
 
+class BrokerQueue:
+    """This test database's queue on the real broker, emptied for the test."""
+
+    def __init__(self) -> None:
+        from ledger.celery import app
+
+        self.app, self.name = app, app.conf.task_default_queue
+        with app.connection_for_write() as broker:
+            broker.default_channel.queue_purge(self.name)
+
+    def jobs(self) -> int:
+        """The messages waiting in it."""
+        with self.app.connection_for_read() as broker:
+            return int(broker.default_channel.queue_declare(queue=self.name).message_count)
+
+
+@pytest.fixture
+def broker_queue() -> BrokerQueue:
+    return BrokerQueue()
+
+
 @dataclass
 class Workers:
     """Real Celery worker processes on the real broker and the test database."""

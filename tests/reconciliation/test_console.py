@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,8 +22,8 @@ from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
-from tests.conftest import Api
-from tests.reconciliation.conftest import perform_refund
+from tests.conftest import Api, process_env
+from tests.reconciliation.conftest import BrokerQueue, perform_refund
 
 
 def person(name: str, *groups: str) -> Client:
@@ -357,6 +359,21 @@ def test_resolving_a_settled_invocation_is_refused_with_a_message(
     response = operator.post("/invocations/inv-1/resolve", form, follow=True)
     assert "nothing to resolve" in response.content.decode()
     assert Invocation.objects.get().event_count == settled.event_count
+
+
+def test_a_web_process_sends_the_consoles_probe_job_where_the_workers_read(
+    broker_queue: BrokerQueue,
+) -> None:
+    # A new process, as gunicorn's workers are: this one already made the project's
+    # Celery app for its own workers, and would hide one that never does.
+    sent = subprocess.run(
+        [sys.executable, "-c", "import ledger.wsgi\n"
+         "from reconciliation.tasks import reconcile_invocation\n"
+         "reconcile_invocation.delay('inv-1', force=True)"],
+        env=process_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    assert broker_queue.jobs() == 1
 
 
 def test_rerunning_the_probe_is_recorded_as_the_operators_action(
