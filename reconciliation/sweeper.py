@@ -7,11 +7,14 @@ import itertools
 import logging
 from collections.abc import Callable, Collection
 
+from django.conf import settings
+from django.db.models import F, Q
 from django.utils import timezone
 
 from ledger.models import Invocation
 from ledger.services import LedgerError, flag_missing_evidence, flag_missing_evidence_of
 from reconciliation import services
+from reconciliation.models import ProbeDispatch
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +111,36 @@ def due_for_probe(*, now: dt.datetime | None = None, batch: int = 1000) -> list[
         .order_by("updated_at")
         .values_list("invocation_id", flat=True)[:batch]
     )
+
+
+def send_due_probes(
+    send: Callable[[str], object], *, now: dt.datetime | None = None, batch: int = 1000
+) -> list[str]:
+    """`send` a probe job for each invocation `due_for_probe`, but for those whose last
+    job is still on its way (ProbeDispatch); returns the ids sent. Each is marked sent
+    after `send` returns: a job sent and not marked is sent again, which does nothing
+    twice, while one marked and never sent would wait a lease for nothing."""
+    now = now or timezone.now()
+    lost_before = now - dt.timedelta(seconds=settings.LEDGER_PROBE_LEASE_SECONDS)
+    due = (
+        Invocation.objects.due_for_probe(now)
+        .filter(
+            Q(probe_dispatch__isnull=True)
+            | Q(probe_dispatch__event_count__lt=F("event_count"))
+            | Q(probe_dispatch__sent_at__lte=lost_before)
+        )
+        .order_by("updated_at")
+        .values_list("pk", "invocation_id", "event_count")[:batch]
+    )
+    sent_ids, sent = [], []
+    for pk, invocation_id, event_count in due:
+        send(invocation_id)
+        sent_ids.append(invocation_id)
+        sent.append(ProbeDispatch(invocation_id=pk, sent_at=now, event_count=event_count))
+    ProbeDispatch.objects.bulk_create(
+        sent,
+        update_conflicts=True,
+        unique_fields=["invocation"],
+        update_fields=["sent_at", "event_count"],
+    )
+    return sent_ids

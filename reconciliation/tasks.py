@@ -25,8 +25,7 @@ def sweep_overdue_attempts() -> int:
     """Beat runs this every LEDGER_SWEEP_INTERVAL_SECONDS."""
     flagged = sweeper.sweep()
     sweeper.expire_leases()
-    for invocation_id in sweeper.due_for_probe():
-        reconcile_invocation.delay(invocation_id)
+    sweeper.send_due_probes(reconcile_invocation.delay)
     return flagged
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
@@ -16,9 +17,10 @@ import reconciliation.services
 from ledger import services, store
 from ledger.models import Capability, Event, Invocation
 from reconciliation import sweeper
+from reconciliation.probes import Finding, ProbeResult
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
 from tests.conftest import Api, intent_body, wait_for
-from tests.reconciliation.conftest import Workers, status_of
+from tests.reconciliation.conftest import BrokerQueue, Workers, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -186,6 +188,47 @@ def test_a_whole_round_of_rows_tampered_with_does_not_stop_the_sweep(
         "inv-3": "reconciliation_required",
     }
     assert caplog.text.count("sweep skipped invocation=") == 2
+
+
+def test_a_probe_job_is_not_sent_again_while_it_waits_to_be_started(
+    api: Api, three_in_flight: None
+) -> None:
+    flagged_at = past_deadline()
+    assert sweeper.sweep(now=flagged_at) == 3
+    sent: list[str] = []
+    assert sweeper.send_due_probes(sent.append, now=flagged_at) == ["inv-1", "inv-2", "inv-3"]
+    # Workers busy with probes hanging in an outage: the next sweeps send nothing more.
+    for seconds in (5, 10, 55):
+        later = flagged_at + dt.timedelta(seconds=seconds)
+        assert sweeper.send_due_probes(sent.append, now=later) == []
+    assert len(sent) == 3
+
+    # inv-2's job ran, and the business system did not answer: its retry is sent when due.
+    probed_at = flagged_at + dt.timedelta(seconds=20)
+    assert reconciliation.services.invocation_claim(
+        invocation_id="inv-2", worker="w", now=probed_at
+    )
+    assert reconciliation.services.record_probe_result(
+        invocation_id="inv-2", worker="w", result=ProbeResult(Finding.INCONCLUSIVE), now=probed_at
+    )
+    retry_at = Invocation.objects.get(invocation_id="inv-2").next_probe_at
+    assert retry_at is not None
+    assert sweeper.send_due_probes(sent.append, now=retry_at) == ["inv-2"]
+    # The jobs of inv-1 and inv-3, never started a lease after they were sent, were lost.
+    lost = flagged_at + dt.timedelta(seconds=settings.LEDGER_PROBE_LEASE_SECONDS)
+    assert sweeper.send_due_probes(sent.append, now=lost) == ["inv-1", "inv-3"]
+    assert sent == ["inv-1", "inv-2", "inv-3", "inv-2", "inv-1", "inv-3"]
+
+
+def test_sweeps_in_an_outage_queue_one_probe_job_per_flagged_invocation(
+    api: Api, three_in_flight: None, broker_queue: BrokerQueue
+) -> None:
+    # Flagged now, so that the beat's task, which reads the clock, finds them due.
+    Invocation.objects.update(deadline_at=timezone.now() - dt.timedelta(seconds=1))
+    for _ in range(4):  # no worker takes them: what an outage looks like to the broker
+        sweep_overdue_attempts.run()
+    assert set(statuses().values()) == {"reconciliation_required"}
+    assert broker_queue.jobs() == 3
 
 
 def test_the_overdue_query_uses_the_partial_index_on_a_table_of_terminal_rows(
