@@ -1,4 +1,5 @@
-"""Find in-flight attempts past their deadline and flag them as missing evidence."""
+"""The beat's work: flag in-flight attempts past their deadline as missing evidence,
+reopen probes whose worker died, and send the probe jobs that are due."""
 
 from __future__ import annotations
 
