@@ -16,7 +16,7 @@ from django.db.models import Max, Min, Q
 from django.utils import timezone
 
 from ledger import chain, policy
-from ledger.models import Event, Invocation, Seal, SealedEvent
+from ledger.models import RECORDED_AT_INTENT, Event, Invocation, Seal, SealedEvent
 from ledger.services import LedgerError, event_body, invocation_transition
 from ledger.verify_bundle import merkle_root
 
@@ -168,15 +168,22 @@ def _head_differs(invocation: Invocation, last: Event) -> bool:
     return (invocation.event_count, invocation.head_hash) != (last.seq, last.hash)
 
 
-def _projection_breaks(invocation: Invocation, last: Event) -> Iterator[Break]:
-    """The projection must equal the state the last event recorded."""
-    for name, (recorded, found) in invocation.differences_from(last.data.get("state", {})).items():
+def _projection_breaks(invocation: Invocation, events: list[Event]) -> Iterator[Break]:
+    """The projection must equal the state the last event recorded, and the columns
+    fixed at intent time what the intent recorded."""
+    for name, (recorded, found) in _differences(invocation, events).items():
         yield Break(
             "projection",
             f"invocation {invocation.invocation_id} {name}",
             repr(recorded),
             repr(found),
         )
+
+
+def _differences(invocation: Invocation, events: list[Event]) -> dict[str, tuple[Any, Any]]:
+    """The row's columns that differ from its chain's: (recorded, found)."""
+    intent = events[0].data if events[0].seq == 1 else {}
+    return invocation.differences_from(events[-1].data.get("state", {}), intent)
 
 
 def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[str, Any]:
@@ -205,12 +212,17 @@ def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[s
             )
         last = events[-1]
         restored.clear()
-        for name, (recorded, found) in invocation.differences_from(
-            last.data.get("state", {})
-        ).items():
+        fixed_at_intent = {}
+        for name, (recorded, found) in _differences(invocation, events).items():
             restored[name] = {"found": found, "recorded": recorded}
             blank = "" if name in policy.BLANK_AS_NULL else recorded
             setattr(invocation, name, recorded if recorded is not None else blank)
+            if name in RECORDED_AT_INTENT:
+                fixed_at_intent[name] = recorded
+        if fixed_at_intent:
+            # The unit's write changes only the projection's columns; these are put back
+            # here, in its transaction.
+            Invocation.objects.filter(pk=invocation.pk).update(**fixed_at_intent)
         if _head_differs(invocation, last):
             restored["head"] = {
                 "found": [invocation.event_count, invocation.head_hash],
@@ -278,7 +290,7 @@ def verify(
         report.breaks.extend(broken or _transition_breaks(invocation.invocation_id, chained))
         if projections:
             report.projections += 1
-            report.breaks.extend(_projection_breaks(invocation, chained[-1]))
+            report.breaks.extend(_projection_breaks(invocation, chained))
     seals = Seal.objects.filter(window).order_by("first_sequence")
     previous = Seal.objects.filter(first_sequence__lt=seals.values("first_sequence")[:1])
     prev_hash = previous.order_by("-first_sequence").values_list("hash", flat=True).first()

@@ -4,6 +4,7 @@ import hashlib
 import hmac
 import re
 import secrets
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -219,6 +220,24 @@ class InvocationQuerySet(models.QuerySet["Invocation"]):
         return self.filter(status=policy.Status.RECONCILING, lease_expires_at__lte=now)
 
 
+# The columns fixed at intent time that the intent's event records, and where in its
+# data: a row edited there would decide retries (the hints), two-person approval (the
+# risk) or which business intent it is on what no event says.
+RECORDED_AT_INTENT: dict[str, tuple[str, ...]] = {
+    "task_id": ("task_id",),
+    "capability_scope": ("capability",),
+    "capability_version": ("capability_version",),
+    "subject": ("subject",),
+    "idempotency_key": ("idempotency_key",),
+    "arguments_digest": ("arguments_digest",),
+    "hint_readonly": ("hints", "readonly"),
+    "hint_idempotency_verified": ("hints", "idempotency_verified"),
+    "max_attempts": ("hints", "max_attempts"),
+    "risk_level": ("hints", "risk"),
+}
+MISSING = object()
+
+
 class Invocation(models.Model):
     """One governed invocation: the intent, plus its current state as a projection.
 
@@ -368,9 +387,12 @@ class Invocation(models.Model):
             flags=self.flags,
         )
 
-    def differences_from(self, recorded: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """Each column that differs from the state an event recorded: (recorded, found).
-        What an event did not record (those of an earlier version) is not compared."""
+    def differences_from(
+        self, recorded: Mapping[str, Any], intent: Mapping[str, Any] | None = None
+    ) -> dict[str, tuple[Any, Any]]:
+        """Each column that differs from the state an event recorded, or from what the
+        intent's event recorded of the columns fixed then: (recorded, found). What an
+        event did not record (those of an earlier version) is not compared."""
         differences = {}
         for name in policy.RECORDED_STATE:
             if name not in recorded:
@@ -380,6 +402,12 @@ class Invocation(models.Model):
                 found = found or None
             if recorded[name] != found:
                 differences[name] = (recorded[name], found)
+        for column, path in RECORDED_AT_INTENT.items():
+            value: Any = intent or {}
+            for key in path:
+                value = value.get(key, MISSING) if isinstance(value, Mapping) else MISSING
+            if value is not MISSING and value != getattr(self, column):
+                differences[column] = (value, getattr(self, column))
         return differences
 
     def apply_state(self, state: policy.InvocationState) -> None:

@@ -142,10 +142,11 @@ def _state_summary(invocation: Invocation) -> dict[str, Any]:
 
 
 def _disagreement(invocation: Invocation, head: store.Head | None) -> list[str]:
-    """The row's columns that differ from the event it counts as its last."""
+    """The row's columns that differ from the event it counts as its last, or from
+    what its intent recorded."""
     if head is None:
         return ["event_count"]
-    fields = sorted(invocation.differences_from(head.state))
+    fields = sorted(invocation.differences_from(head.state, head.intent))
     if invocation.head_hash != head.hash:
         fields.append("head_hash")
     return fields
@@ -858,9 +859,11 @@ def with_heads(rows: QuerySet[Invocation]) -> QuerySet[Invocation]:
     """The rows, each with the recorded state and hash of the event it counts as its
     last (`refuse_rows_disagreeing` compares them)."""
     head = Event.objects.filter(invocation=OuterRef("pk"), seq=OuterRef("event_count"))
+    intent = Event.objects.filter(invocation=OuterRef("pk"), seq=1)
     return rows.annotate(
         head_state=Subquery(head.values("data__state")),
         head_event_hash=Subquery(head.values("hash")),
+        intent_data=Subquery(intent.values("data")),
     )
 
 
@@ -870,7 +873,8 @@ def refuse_rows_disagreeing(rows: Iterable[Invocation]) -> None:
     disagreeing = {}
     for row in rows:
         state, hash_ = row.head_state, row.head_event_hash  # type: ignore[attr-defined]
-        if fields := _disagreement(row, store.Head(state or {}, hash_) if hash_ else None):
+        intent = row.intent_data or {}  # type: ignore[attr-defined]
+        if fields := _disagreement(row, store.Head(state or {}, hash_, intent) if hash_ else None):
             disagreeing[row.invocation_id] = fields
     if disagreeing:
         raise _rows_disagreeing(disagreeing)
@@ -895,9 +899,11 @@ def invocation_detail(*, runtime: Runtime, invocation_id: str) -> store.Detail |
 def disagreement(invocation: Invocation, events: Iterable[Event]) -> list[str]:
     """The row's columns that differ from the event it counts as its last, among its
     `events`: a row changed outside the ledger, which nothing acts on."""
+    events = list(events)
     head = next((e for e in events if e.seq == invocation.event_count), None)
+    intent: dict[str, Any] = next((e.data for e in events if e.seq == 1), {})
     return _disagreement(
-        invocation, store.Head(head.data.get("state", {}), head.hash) if head else None
+        invocation, store.Head(head.data.get("state", {}), head.hash, intent) if head else None
     )
 
 

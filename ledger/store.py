@@ -82,6 +82,8 @@ SELECT
       -- The event the row says is its last: what a write checks the row against.
       'head', (SELECT json_build_object('state', e.data -> 'state', 'hash', e.hash)
                FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = i.event_count),
+      -- And what its intent recorded of the columns fixed then.
+      'intent', (SELECT e.data FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = 1),
       'attempts', (SELECT coalesce(json_agg(json_build_object('attempt', a, 'outcome',
                      (SELECT row_to_json(o) FROM ledger_outcome o WHERE o.attempt_id = a.id))),
                      '[]')
@@ -420,10 +422,12 @@ def known_capabilities(scopes: Iterable[str]) -> dict[str, KnownCapability] | No
 
 
 class Head(NamedTuple):
-    """The event an invocation's row counts as its last: its recorded state and hash."""
+    """The event an invocation's row counts as its last: its recorded state and hash;
+    and the data of its intent's event, which records the columns fixed at intent time."""
 
     state: dict[str, Any]
     hash: str
+    intent: dict[str, Any]
 
 
 @dataclass
@@ -480,8 +484,10 @@ def load(
         if entry["capability"]:
             invocation.capability = _instance(Capability, entry["capability"])
         loaded.invocations.append((invocation, attempts))
-        head = entry["head"]
-        loaded.heads[invocation.invocation_id] = head and Head(head["state"] or {}, head["hash"])
+        head, intent = entry["head"], entry["intent"] or {}
+        loaded.heads[invocation.invocation_id] = head and Head(
+            head["state"] or {}, head["hash"], intent
+        )
     return loaded
 
 

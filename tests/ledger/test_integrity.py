@@ -288,6 +288,39 @@ def test_a_rewritten_projection_is_restored_from_its_events_on_the_record(
     assert "projection_restored" in action_log and "INC-7: row edited by hand" in action_log
 
 
+def test_a_row_edited_where_its_intent_fixed_it_is_refused_and_restored(
+    ledger: Api, ada: None
+) -> None:
+    """A refund's row edited to say its capability is read-only would make its lost
+    evidence retryable (a second refund), and a lower risk would spare it the second
+    person. Both come from the intent's event, which says otherwise."""
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    risk = Invocation.objects.get(invocation_id="inv-5").risk_level
+    assert risk != "low"
+    Invocation.objects.filter(invocation_id="inv-5").update(hint_readonly=True, risk_level="low")
+    events = Event.objects.filter(invocation__invocation_id="inv-5")
+    written = list(events.values_list("seq", "hash"))
+
+    status, body = ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
+    assert (status, body["error"]["type"]) == (500, "projection_broken")
+    assert "(inv-5: hint_readonly, risk_level)" in body["error"]["message"]
+    assert list(events.values_list("seq", "hash")) == written
+    assert ledger.get("/api/v1/invocations/inv-5")[1]["error"]["type"] == "projection_broken"
+    assert [(b.where, b.expected, b.found) for b in verify(projections=True).breaks] == [
+        ("invocation inv-5 hint_readonly", "False", "True"),
+        ("invocation inv-5 risk_level", repr(risk), "'low'"),
+    ]
+
+    output = restore_command("inv-5")
+
+    assert "restored hint_readonly True -> False" in output
+    assert verify(projections=True).ok
+    row = Invocation.objects.get(invocation_id="inv-5")
+    assert (row.hint_readonly, row.risk_level) == (False, risk)
+    status, body = ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
+    assert (status, body["status"], body["retryable"]) == (201, "reconciliation_required", False)
+
+
 def test_evidence_for_a_row_counting_fewer_events_is_refused_typed_until_restored(
     ledger: Api, ada: None, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -50,6 +50,14 @@ def flagged(api: Api, refund: Capability) -> str:
 
 
 @pytest.fixture
+def flagged_high_risk(api: Api, refund: Capability) -> str:
+    """inv-1 flagged, its capability high-risk when its intent was recorded."""
+    Capability.objects.filter(pk=refund.pk).update(risk_level="high")
+    flag(api)
+    return "inv-1"
+
+
+@pytest.fixture
 def operator(db: None) -> Client:
     return person("olga", "operator")
 
@@ -170,9 +178,8 @@ def test_claiming_keeps_two_operators_apart(flagged: str, operator: Client) -> N
 
 
 def test_high_risk_needs_a_second_different_approver(
-    api: Api, flagged: str, operator: Client
+    api: Api, flagged_high_risk: str, operator: Client
 ) -> None:
-    Invocation.objects.update(risk_level="high")
     seen = Invocation.objects.get().event_count
     operator.post(
         "/invocations/inv-1/resolve",
@@ -638,6 +645,15 @@ def resolve_with(operator: Client, reference: str, **extra: str) -> Any:
 
 @pytest.fixture
 def inv_2_names_rf_981(flagged: str, api: Api) -> None:
+    names_rf_981(api)
+
+
+@pytest.fixture
+def high_risk_inv_2_names_rf_981(flagged_high_risk: str, api: Api) -> None:
+    names_rf_981(api)
+
+
+def names_rf_981(api: Api) -> None:
     api.intent(invocation_id="inv-2", idempotency_key="key-2", attempt_id="a1")
     api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-981")
 
@@ -683,11 +699,10 @@ def approve_with(approver: Client, headers: dict[str, str] | None = None, **extr
 
 @pytest.mark.parametrize("htmx", [False, True], ids=["page", "htmx"])
 def test_an_approver_confirms_a_reference_named_elsewhere_since_the_proposal(
-    flagged: str, api: Api, operator: Client, htmx: bool
+    flagged_high_risk: str, api: Api, operator: Client, htmx: bool
 ) -> None:
     """The proposal named RF-990 when no one else did; inv-2's success named it after.
     The approver is the person who counts the effect, so they are asked."""
-    Invocation.objects.update(risk_level="high")
     resolve_with(operator, "RF-990")
     api.intent(invocation_id="inv-2", idempotency_key="key-2", attempt_id="a1")
     api.outcome("inv-2", "a1", kind="succeeded", business_reference="RF-990")
@@ -713,9 +728,8 @@ def test_an_approver_confirms_a_reference_named_elsewhere_since_the_proposal(
 
 
 def test_a_reference_the_proposer_confirmed_is_not_asked_again(
-    inv_2_names_rf_981: None, operator: Client
+    high_risk_inv_2_names_rf_981: None, operator: Client
 ) -> None:
-    Invocation.objects.filter(invocation_id="inv-1").update(risk_level="high")
     resolve_with(operator, "RF-981", same_reference_confirmed="on")
     assert Invocation.objects.get(invocation_id="inv-1").status == "resolution_proposed"
 
@@ -750,7 +764,7 @@ def test_another_runtimes_invocation_is_shown_to_people_but_recorded_only_as_a_n
 
 @pytest.mark.parametrize("b_names_it", ["before the proposal", "after the proposal"])
 def test_an_approver_is_asked_only_when_another_runtime_has_come_to_name_the_reference(
-    inv_2_names_rf_981: None, api_b: Api, operator: Client, b_names_it: str
+    high_risk_inv_2_names_rf_981: None, api_b: Api, operator: Client, b_names_it: str
 ) -> None:
     """The proposal records runtime B's invocations only as a number; a larger number
     at approval means one named the reference since, and the approver is asked."""
@@ -759,7 +773,6 @@ def test_an_approver_is_asked_only_when_another_runtime_has_come_to_name_the_ref
         api_b.intent(invocation_id="b-1", idempotency_key="key-b", attempt_id="a1")
         api_b.outcome("b-1", "a1", kind="succeeded", business_reference="RF-981")
 
-    Invocation.objects.filter(invocation_id="inv-1").update(risk_level="high")
     if b_names_it == "before the proposal":
         b_names_rf_981()
     resolve_with(operator, "RF-981", same_reference_confirmed="on")
