@@ -235,7 +235,7 @@ RECORDED_AT_INTENT: dict[str, tuple[str, ...]] = {
     "max_attempts": ("hints", "max_attempts"),
     "risk_level": ("hints", "risk"),
 }
-MISSING = object()
+_NOT_RECORDED = object()
 
 
 class Invocation(models.Model):
@@ -405,8 +405,10 @@ class Invocation(models.Model):
         for column, path in RECORDED_AT_INTENT.items():
             value: Any = intent or {}
             for key in path:
-                value = value.get(key, MISSING) if isinstance(value, Mapping) else MISSING
-            if value is not MISSING and value != getattr(self, column):
+                value = (
+                    value.get(key, _NOT_RECORDED) if isinstance(value, Mapping) else _NOT_RECORDED
+                )
+            if value is not _NOT_RECORDED and value != getattr(self, column):
                 differences[column] = (value, getattr(self, column))
         return differences
 

@@ -27,6 +27,4 @@ class ProbeDispatch(models.Model):
     event_count = models.PositiveIntegerField()
 
     def __str__(self) -> str:
-        return (
-            f"probe job for invocation {self.invocation_id} sent {self.sent_at:%Y-%m-%d %H:%M:%S}"
-        )
+        return f"probe job sent {self.sent_at:%Y-%m-%d %H:%M:%S} at event {self.event_count}"
