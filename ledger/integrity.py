@@ -16,8 +16,8 @@ from django.db.models import Max, Min, Q
 from django.utils import timezone
 
 from ledger import chain, policy
-from ledger.models import RECORDED_AT_INTENT, Event, Invocation, Seal, SealedEvent
-from ledger.services import LedgerError, event_body, invocation_transition
+from ledger.models import RECORDED_AT_INTENT, Event, Invocation, Runtime, Seal, SealedEvent
+from ledger.services import LedgerError, event_body, invocation_transition, runtime_actor
 from ledger.verify_bundle import merkle_root
 
 # Events are written by single statements that take milliseconds; an event committed
@@ -181,9 +181,21 @@ def _projection_breaks(invocation: Invocation, events: list[Event]) -> Iterator[
 
 
 def _differences(invocation: Invocation, events: list[Event]) -> dict[str, tuple[Any, Any]]:
-    """The row's columns that differ from its chain's: (recorded, found)."""
-    intent = events[0].data if events[0].seq == 1 else {}
-    return invocation.differences_from(events[-1].data.get("state", {}), intent)
+    """The row's columns that differ from its chain's: (recorded, found). The runtime
+    is compared as the actor who recorded the intent."""
+    intent = events[0] if events[0].seq == 1 else None
+    differences = invocation.differences_from(
+        events[-1].data.get("state", {}), intent.data if intent else {}
+    )
+    owner = runtime_actor(invocation.runtime)
+    if intent is not None and intent.actor != owner:
+        differences["runtime"] = (intent.actor, owner)
+    return differences
+
+
+def _runtime_acting_as(actor: str) -> Runtime:
+    """The runtime whose actor is `actor`: names never change (a trigger refuses it)."""
+    return Runtime.objects.get(name=actor.removeprefix("runtime:"))
 
 
 def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[str, Any]:
@@ -212,9 +224,12 @@ def restore_projection(*, invocation_id: str, actor: str, reason: str) -> dict[s
             )
         last = events[-1]
         restored.clear()
-        fixed_at_intent = {}
+        fixed_at_intent: dict[str, Any] = {}
         for name, (recorded, found) in _differences(invocation, events).items():
             restored[name] = {"found": found, "recorded": recorded}
+            if name == "runtime":
+                fixed_at_intent["runtime"] = _runtime_acting_as(recorded)
+                continue
             blank = "" if name in policy.BLANK_AS_NULL else recorded
             setattr(invocation, name, recorded if recorded is not None else blank)
             if name in RECORDED_AT_INTENT:
@@ -276,7 +291,7 @@ def verify(
     # invocation here: a query per invocation would cost more than the hashing.
     events = (
         Event.objects.filter(invocation__in=touched)
-        .select_related("invocation")
+        .select_related("invocation__runtime")
         .order_by("invocation_id", "seq", "id")
         .iterator(chunk_size=5000)
     )

@@ -141,14 +141,24 @@ def _state_summary(invocation: Invocation) -> dict[str, Any]:
     }
 
 
-def _disagreement(invocation: Invocation, head: store.Head | None) -> list[str]:
+def _disagreement(
+    invocation: Invocation, head: store.Head | None, owner: Runtime | None = None
+) -> list[str]:
     """The row's columns that differ from the event it counts as its last, or from
-    what its intent recorded."""
+    what its intent recorded; with `owner`, the runtime the row names, also whether
+    that runtime recorded the intent (edited, the row would hand the invocation to
+    another runtime)."""
     if head is None:
         return ["event_count"]
     fields = sorted(invocation.differences_from(head.state, head.intent))
     if invocation.head_hash != head.hash:
         fields.append("head_hash")
+    if (
+        owner is not None
+        and invocation.runtime_id == owner.pk  # type: ignore[attr-defined]
+        and head.intent_actor not in ("", runtime_actor(owner))
+    ):
+        fields.append("runtime")
     return fields
 
 
@@ -244,7 +254,7 @@ class _Work:
                     self.outcomes[invocation.invocation_id, attempt.attempt_id] = outcome
             if self.checks_projection:
                 head = loaded.heads[invocation.invocation_id]
-                if fields := _disagreement(invocation, head):
+                if fields := _disagreement(invocation, head, self.runtime):
                     disagreeing[invocation.invocation_id] = fields
         if disagreeing:
             # Its state would be decided from a row its events do not explain (edited to
@@ -864,17 +874,19 @@ def with_heads(rows: QuerySet[Invocation]) -> QuerySet[Invocation]:
         head_state=Subquery(head.values("data__state")),
         head_event_hash=Subquery(head.values("hash")),
         intent_data=Subquery(intent.values("data")),
+        intent_actor=Subquery(intent.values("actor")),
     )
 
 
-def refuse_rows_disagreeing(rows: Iterable[Invocation]) -> None:
-    """projection_broken if a row (`with_heads`) disagrees with its last event: its
-    typed state would tell a runtime what no event says."""
+def refuse_rows_disagreeing(rows: Iterable[Invocation], owner: Runtime) -> None:
+    """projection_broken if a row (`with_heads`) of `owner` disagrees with its events:
+    its typed state would tell a runtime what no event says."""
     disagreeing = {}
     for row in rows:
         state, hash_ = row.head_state, row.head_event_hash  # type: ignore[attr-defined]
-        intent = row.intent_data or {}  # type: ignore[attr-defined]
-        if fields := _disagreement(row, store.Head(state or {}, hash_, intent) if hash_ else None):
+        intent, actor = row.intent_data or {}, row.intent_actor or ""  # type: ignore[attr-defined]
+        head = store.Head(state or {}, hash_, intent, actor) if hash_ else None
+        if fields := _disagreement(row, head, owner):
             disagreeing[row.invocation_id] = fields
     if disagreeing:
         raise _rows_disagreeing(disagreeing)
@@ -891,19 +903,30 @@ def invocation_detail(*, runtime: Runtime, invocation_id: str) -> store.Detail |
         confirm_token=runtime.unconfirmed_token_id,
     )
     runtime.unconfirmed_token_id = None
-    if found is not None and (fields := disagreement(found.invocation, found.events)):
+    if found is not None and (fields := disagreement(found.invocation, found.events, runtime)):
         raise _rows_disagreeing({invocation_id: fields})
     return found
 
 
-def disagreement(invocation: Invocation, events: Iterable[Event]) -> list[str]:
-    """The row's columns that differ from the event it counts as its last, among its
-    `events`: a row changed outside the ledger, which nothing acts on."""
+def disagreement(
+    invocation: Invocation, events: Iterable[Event], owner: Runtime | None = None
+) -> list[str]:
+    """The row's columns that differ from its `events` (`_disagreement`): a row
+    changed outside the ledger, which nothing acts on."""
     events = list(events)
     head = next((e for e in events if e.seq == invocation.event_count), None)
-    intent: dict[str, Any] = next((e.data for e in events if e.seq == 1), {})
+    intent = next((e for e in events if e.seq == 1), None)
     return _disagreement(
-        invocation, store.Head(head.data.get("state", {}), head.hash, intent) if head else None
+        invocation,
+        store.Head(
+            head.data.get("state", {}),
+            head.hash,
+            intent.data if intent else {},
+            intent.actor if intent else "",
+        )
+        if head
+        else None,
+        owner,
     )
 
 

@@ -82,8 +82,9 @@ SELECT
       -- The event the row says is its last: what a write checks the row against.
       'head', (SELECT json_build_object('state', e.data -> 'state', 'hash', e.hash)
                FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = i.event_count),
-      -- And what its intent recorded of the columns fixed then.
-      'intent', (SELECT e.data FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = 1),
+      -- And what its intent recorded of the columns fixed then, and by whom.
+      'intent', (SELECT json_build_object('data', e.data, 'actor', e.actor)
+                 FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = 1),
       'attempts', (SELECT coalesce(json_agg(json_build_object('attempt', a, 'outcome',
                      (SELECT row_to_json(o) FROM ledger_outcome o WHERE o.attempt_id = a.id))),
                      '[]')
@@ -423,11 +424,13 @@ def known_capabilities(scopes: Iterable[str]) -> dict[str, KnownCapability] | No
 
 class Head(NamedTuple):
     """The event an invocation's row counts as its last: its recorded state and hash;
-    and the data of its intent's event, which records the columns fixed at intent time."""
+    and the data and actor of its intent's event, which record the columns fixed at
+    intent time and the runtime that owns it."""
 
     state: dict[str, Any]
     hash: str
     intent: dict[str, Any]
+    intent_actor: str
 
 
 @dataclass
@@ -486,7 +489,7 @@ def load(
         loaded.invocations.append((invocation, attempts))
         head, intent = entry["head"], entry["intent"] or {}
         loaded.heads[invocation.invocation_id] = head and Head(
-            head["state"] or {}, head["hash"], intent
+            head["state"] or {}, head["hash"], intent.get("data") or {}, intent.get("actor", "")
         )
     return loaded
 

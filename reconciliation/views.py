@@ -246,7 +246,7 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
         "has_probe": has_probe(invocation),
         "state": invocation.state(),
         "timeline": events,
-        "disagreement": disagreement(invocation, [e["event"] for e in events]),
+        "disagreement": disagreement(invocation, [e["event"] for e in events], invocation.runtime),
         "attempts": invocation.attempts.select_related("outcome").order_by("number"),
         "probe_runs": [probe_run_row(e["event"]) for e in events if e["event"].kind == "probe_run"],
         "can_act": flagged and bool(user_roles & set(ACTORS)),

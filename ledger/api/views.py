@@ -287,7 +287,7 @@ class InvocationListView(RuntimeAPIView):
         page = list(services.with_heads(rows)[: params["limit"] + 1])
         more = len(page) > params["limit"]
         page = page[: params["limit"]]
-        services.refuse_rows_disagreeing(page)
+        services.refuse_rows_disagreeing(page, runtime_of(request))
         next_url = None
         if more:
             cursor = request.query_params.copy()

@@ -19,7 +19,16 @@ from django.utils import timezone
 
 from ledger import chain, services
 from ledger.integrity import merkle_root, seal_events, verify
-from ledger.models import Attempt, Capability, Event, Invocation, Outcome, Seal, SealedEvent
+from ledger.models import (
+    Attempt,
+    Capability,
+    Event,
+    Invocation,
+    Outcome,
+    Runtime,
+    Seal,
+    SealedEvent,
+)
 from reconciliation import services as reconciliation_services
 from tests.conftest import Api, intent_body
 
@@ -319,6 +328,35 @@ def test_a_row_edited_where_its_intent_fixed_it_is_refused_and_restored(
     assert (row.hint_readonly, row.risk_level) == (False, risk)
     status, body = ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
     assert (status, body["status"], body["retryable"]) == (201, "reconciliation_required", False)
+
+
+def test_a_row_handed_to_another_runtime_is_refused_to_it_and_restored(
+    ledger: Api, api_b: Api, runtime_a: Runtime, runtime_b: Runtime, ada: None
+) -> None:
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    Invocation.objects.filter(invocation_id="inv-5").update(runtime=runtime_b)
+    events = Event.objects.filter(invocation__invocation_id="inv-5")
+    written = list(events.values_list("seq", "hash"))
+
+    # Runtime B neither settles it, nor reads it, nor lists it: A recorded the intent.
+    status, body = api_b.outcome("inv-5", "a1", kind="succeeded", business_reference="RF-5")
+    assert (status, body["error"]["type"]) == (500, "projection_broken")
+    assert "(inv-5: runtime)" in body["error"]["message"]
+    assert list(events.values_list("seq", "hash")) == written
+    assert api_b.get("/api/v1/invocations/inv-5")[1]["error"]["type"] == "projection_broken"
+    assert api_b.get("/api/v1/invocations")[1]["error"]["details"] == {"invocation_ids": ["inv-5"]}
+    assert [(b.where, b.expected, b.found) for b in verify(projections=True).breaks] == [
+        ("invocation inv-5 runtime", repr(f"runtime:{runtime_a.name}"),
+         repr(f"runtime:{runtime_b.name}")),
+    ]  # fmt: skip
+
+    restore_command("inv-5")
+
+    assert Invocation.objects.get(invocation_id="inv-5").runtime_id == runtime_a.pk
+    assert verify(projections=True).ok
+    assert api_b.get("/api/v1/invocations/inv-5")[0] == 404
+    status, body = ledger.outcome("inv-5", "a1", kind="succeeded", business_reference="RF-5")
+    assert (status, body["status"]) == (201, "succeeded")
 
 
 def test_evidence_for_a_row_counting_fewer_events_is_refused_typed_until_restored(
