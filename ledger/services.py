@@ -867,7 +867,8 @@ def record_outcome(*, runtime: Runtime, outcome: OutcomeInput) -> Applied:
 
 def with_heads(rows: QuerySet[Invocation]) -> QuerySet[Invocation]:
     """The rows, each with the recorded state and hash of the event it counts as its
-    last (`refuse_rows_disagreeing` compares them)."""
+    last, and the data and actor of its intent's event (`refuse_rows_disagreeing`
+    compares them)."""
     head = Event.objects.filter(invocation=OuterRef("pk"), seq=OuterRef("event_count"))
     intent = Event.objects.filter(invocation=OuterRef("pk"), seq=1)
     return rows.annotate(
@@ -914,20 +915,13 @@ def disagreement(
     """The row's columns that differ from its `events` (`_disagreement`): a row
     changed outside the ledger, which nothing acts on."""
     events = list(events)
-    head = next((e for e in events if e.seq == invocation.event_count), None)
+    last = next((e for e in events if e.seq == invocation.event_count), None)
+    if last is None:
+        return _disagreement(invocation, None)
     intent = next((e for e in events if e.seq == 1), None)
-    return _disagreement(
-        invocation,
-        store.Head(
-            head.data.get("state", {}),
-            head.hash,
-            intent.data if intent else {},
-            intent.actor if intent else "",
-        )
-        if head
-        else None,
-        owner,
-    )
+    recorded_intent, intent_actor = (intent.data, intent.actor) if intent else ({}, "")
+    head = store.Head(last.data.get("state", {}), last.hash, recorded_intent, intent_actor)
+    return _disagreement(invocation, head, owner)
 
 
 def invocation_transition(

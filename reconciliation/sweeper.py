@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db.models import F, Q
 from django.utils import timezone
 
-from ledger.models import Invocation
+from ledger.models import Invocation, InvocationQuerySet
 from ledger.services import LedgerError, flag_missing_evidence, flag_missing_evidence_of
 from reconciliation import services
 from reconciliation.models import ProbeDispatch
@@ -106,12 +106,12 @@ def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:
 
 def due_for_probe(*, now: dt.datetime | None = None, batch: int = 1000) -> list[str]:
     """Flagged invocations whose next probe is due, oldest first."""
-    now = now or timezone.now()
-    return list(
-        Invocation.objects.due_for_probe(now)
-        .order_by("updated_at")
-        .values_list("invocation_id", flat=True)[:batch]
-    )
+    due = _due_for_probe(now or timezone.now())
+    return list(due.values_list("invocation_id", flat=True)[:batch])
+
+
+def _due_for_probe(now: dt.datetime) -> InvocationQuerySet:
+    return Invocation.objects.due_for_probe(now).order_by("updated_at")
 
 
 def send_due_probes(
@@ -124,13 +124,12 @@ def send_due_probes(
     now = now or timezone.now()
     lost_before = now - dt.timedelta(seconds=settings.LEDGER_PROBE_LEASE_SECONDS)
     due = (
-        Invocation.objects.due_for_probe(now)
+        _due_for_probe(now)
         .filter(
             Q(probe_dispatch__isnull=True)
             | Q(probe_dispatch__event_count__lt=F("event_count"))
             | Q(probe_dispatch__sent_at__lte=lost_before)
         )
-        .order_by("updated_at")
         .values_list("pk", "invocation_id", "event_count")[:batch]
     )
     sent_ids, sent = [], []
