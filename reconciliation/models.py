@@ -15,7 +15,8 @@ class ProbeDispatch(models.Model):
 
     The job is spent once the invocation's row counts more events than when it was
     sent (a worker claimed it, or its lease ran out); one not started within a probe
-    lease is taken as lost and sent again. Not evidence: no event records it, and
+    lease is taken as lost and sent again. Spent rows are deleted by the next sweep
+    (`sweeper.forget_spent_probe_jobs`). Not evidence: no event records it, and
     losing it only sends a job twice, which does nothing twice.
     """
 

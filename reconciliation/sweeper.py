@@ -122,6 +122,7 @@ def send_due_probes(
     after `send` returns: a job sent and not marked is sent again, which does nothing
     twice, while one marked and never sent would wait a lease for nothing."""
     now = now or timezone.now()
+    forget_spent_probe_jobs()
     lost_before = now - dt.timedelta(seconds=settings.LEDGER_PROBE_LEASE_SECONDS)
     due = (
         _due_for_probe(now)
@@ -144,3 +145,12 @@ def send_due_probes(
         update_fields=["sent_at", "event_count"],
     )
     return sent_ids
+
+
+def forget_spent_probe_jobs() -> int:
+    """Delete the ProbeDispatch rows of jobs that are spent (their invocation has
+    gained events since they were sent), so that the table holds only the jobs still
+    waiting, not a row for every invocation ever flagged. A spent row never holds a job
+    back, so forgetting it changes nothing `send_due_probes` sends."""
+    deleted, _ = ProbeDispatch.objects.filter(event_count__lt=F("invocation__event_count")).delete()
+    return deleted

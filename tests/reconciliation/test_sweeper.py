@@ -17,6 +17,7 @@ import reconciliation.services
 from ledger import services, store
 from ledger.models import Capability, Event, Invocation
 from reconciliation import sweeper
+from reconciliation.models import ProbeDispatch
 from reconciliation.probes import Finding, ProbeResult
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
 from tests.conftest import Api, intent_body, wait_for
@@ -218,6 +219,35 @@ def test_a_probe_job_is_not_sent_again_while_it_waits_to_be_started(
     lost = flagged_at + dt.timedelta(seconds=settings.LEDGER_PROBE_LEASE_SECONDS)
     assert sweeper.send_due_probes(sent.append, now=lost) == ["inv-1", "inv-3"]
     assert sent == ["inv-1", "inv-2", "inv-3", "inv-2", "inv-1", "inv-3"]
+
+
+def waiting_jobs() -> dict[str, int]:
+    return dict(ProbeDispatch.objects.values_list("invocation__invocation_id", "event_count"))
+
+
+def test_only_probe_jobs_still_waiting_are_remembered(api: Api, three_in_flight: None) -> None:
+    flagged_at = past_deadline()
+    sweeper.sweep(now=flagged_at)
+    sweeper.send_due_probes(lambda invocation_id: None, now=flagged_at)
+    flagged = waiting_jobs()
+    assert set(flagged) == {"inv-1", "inv-2", "inv-3"}
+
+    # inv-1's job ran and settled it; inv-2's was claimed and is still probing.
+    probed_at = flagged_at + dt.timedelta(seconds=1)
+    for invocation_id in ("inv-1", "inv-2"):
+        assert reconciliation.services.invocation_claim(
+            invocation_id=invocation_id, worker="w", now=probed_at
+        )
+    assert reconciliation.services.record_probe_result(
+        invocation_id="inv-1",
+        worker="w",
+        result=ProbeResult(Finding.PRESENT, business_reference="RF-1"),
+        now=probed_at,
+    )
+    assert sweeper.send_due_probes(lambda invocation_id: None, now=probed_at) == []
+    # Both of their jobs are spent; inv-3's still waits, as it was sent.
+    assert waiting_jobs() == {"inv-3": flagged["inv-3"]}
+    assert status_of("inv-1") == "succeeded"
 
 
 def test_sweeps_in_an_outage_queue_one_probe_job_per_flagged_invocation(
