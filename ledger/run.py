@@ -11,9 +11,11 @@ run beside it reach the same database and broker. Ctrl-C stops everything.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,8 +86,41 @@ def manage(*args: str) -> None:
     subprocess.run([sys.executable, "manage.py", *args], check=True)
 
 
+def address_in_use(bind: str) -> bool:
+    """Whether something listens on gunicorn's TCP `bind` (HOST:PORT, [HOST]:PORT or
+    HOST, as gunicorn takes it) already. Bound as gunicorn binds, with SO_REUSEADDR,
+    so a port that only a closed connection still holds is free, as gunicorn finds it.
+    A unix socket or a descriptor is left for gunicorn to judge."""
+    if bind.startswith(("unix:", "fd://")):
+        return False
+    host, colon, port = bind.rpartition(":")
+    if not colon or host.endswith(":"):  # HOST alone, or a bare IPv6 address
+        host, port = bind, "8000"
+    host = host.strip("[]")
+    if not port.isdigit():
+        return False
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, int(port)))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
 def main() -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "ledger.settings")
+    if address_in_use(BIND):
+        # Found before anything starts: gunicorn would find it only after a second
+        # worker and beat had joined the running ledger's broker.
+        print(
+            f"{BIND} is in use: is the ledger running already? Stop it (Ctrl-C where it "
+            "runs), or set LEDGER_BIND to another address.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     server = None if "DATABASE_URL" in os.environ else start_embedded_postgres()
     if "CELERY_BROKER_URL" not in os.environ:
         from ledger import settings

@@ -1,5 +1,6 @@
 """`make run`: its embedded PostgreSQL starts again after a crash and stops with the
-ledger, and Ctrl-C leaves no process of the ledger behind."""
+ledger, Ctrl-C leaves no process of the ledger behind, and a second one on a taken
+address starts nothing."""
 
 from __future__ import annotations
 
@@ -158,6 +159,45 @@ def descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
+
+
+def test_a_second_ledger_on_a_taken_address_says_so_and_starts_nothing() -> None:
+    with socket.socket() as running:  # the first `make run`'s web server
+        running.bind(("127.0.0.1", 0))
+        running.listen()
+        bind = f"127.0.0.1:{running.getsockname()[1]}"
+        second = subprocess.run(
+            [sys.executable, "-m", "ledger.run"],
+            cwd=ROOT,
+            # Servers that would refuse it: nothing may be reached before the check.
+            env={
+                **os.environ,
+                "LEDGER_BIND": bind,
+                "DATABASE_URL": "postgresql://postgres@127.0.0.1:1/unreachable",
+                "CELERY_BROKER_URL": "memory://",
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert second.returncode == 1
+    assert second.stdout == ""
+    assert second.stderr == (
+        f"{bind} is in use: is the ledger running already? Stop it (Ctrl-C where it runs), "
+        "or set LEDGER_BIND to another address.\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("bind", "in_use"),
+    [("{host}:{port}", True), ("[::1]:{port}", False), ("{host}:0", False), ("unix:/x", False)],
+)
+def test_only_a_taken_tcp_address_counts_as_in_use(bind: str, in_use: bool) -> None:
+    with socket.socket() as running:
+        running.bind(("127.0.0.1", 0))
+        running.listen()
+        host, port = running.getsockname()
+        assert run.address_in_use(bind.format(host=host, port=port)) is in_use
 
 
 def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
