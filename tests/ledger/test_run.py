@@ -182,7 +182,7 @@ def test_a_second_ledger_on_a_taken_address_says_so_and_starts_nothing() -> None
         )
     assert second.returncode == 1
     assert second.stdout == ""
-    assert second.stderr == (
+    assert second.stderr.endswith(
         f"{bind} is in use: is the ledger running already? Stop it (Ctrl-C where it runs), "
         "or set LEDGER_BIND to another address.\n"
     )
