@@ -154,7 +154,15 @@ def test_a_stale_page_is_refused_and_nothing_is_applied(flagged: str, operator: 
     assert response.status_code == 303
     assert Invocation.objects.get().status == "reconciliation_required"
     page = operator.get("/invocations/inv-1/").content.decode()
-    assert "changed since this page was loaded" in page
+    assert page.count("changed since this page was loaded") == 1
+    # In place, with htmx: the fragment says it, once.
+    response = operator.post(
+        "/invocations/inv-1/resolve",
+        {"effect": "effect_absent", "note": "n", "seen_event_count": stale},
+        headers={"HX-Request": "true"},
+    )
+    assert response.status_code == 409
+    assert response.content.decode().count("changed since this page was loaded") == 1
 
 
 def test_a_double_submit_resolves_once(flagged: str, operator: Client) -> None:
