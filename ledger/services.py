@@ -177,7 +177,7 @@ def projection_broken(invocation_ids: list[str], how: str) -> LedgerError:
         f"The ledger's record of {', '.join(invocation_ids)} {how}: it was changed outside "
         "the ledger. Nothing was recorded. An administrator checks it with "
         "`manage.py verify_ledger --projections` and puts it back from its events with "
-        "`manage.py restore_projection`.",
+        "`manage.py restore_projection` or from the invocation's page in the console.",
         status=500,
         details={"invocation_ids": invocation_ids},
     )

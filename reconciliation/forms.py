@@ -128,3 +128,11 @@ class ResolveForm(ActionForm, ConfirmsSharedReference):
 
 class DecisionForm(ActionForm, ConfirmsSharedReference):
     note = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+
+
+class RestoreForm(forms.Form):
+    """An admin's putting a row back from its events. No stale-page guard: the row's
+    event count is among what may have been edited, and restoring puts back whatever
+    differs when it runs, each field recorded in its event with what was found."""
+
+    reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), max_length=4000)

@@ -48,4 +48,5 @@ urlpatterns = [
         name="release",
     ),
     path("invocations/<stored_id:invocation_id>/probe", views.probe_now, name="probe"),
+    path("invocations/<stored_id:invocation_id>/restore", views.restore, name="restore"),
 ]

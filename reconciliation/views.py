@@ -25,6 +25,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 from ledger import chain, policy
 from ledger.audit import invocations_naming
+from ledger.integrity import restore_projection
 from ledger.metrics import background_work
 from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
@@ -37,6 +38,7 @@ from reconciliation.forms import (
     QueueFilterForm,
     QueuePosition,
     ResolveForm,
+    RestoreForm,
 )
 from reconciliation.tasks import reconcile_invocation
 
@@ -239,6 +241,7 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     seen = {"seen_event_count": invocation.event_count}
     proposal = invocation.proposal or {}
     events = timeline(invocation)
+    disagreeing = disagreement(invocation, [e["event"] for e in events], invocation.runtime)
     return {
         "references": business_references(invocation, [e["event"] for e in events]),
         "invocation": invocation,
@@ -246,7 +249,9 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
         "has_probe": has_probe(invocation),
         "state": invocation.state(),
         "timeline": events,
-        "disagreement": disagreement(invocation, [e["event"] for e in events], invocation.runtime),
+        "disagreement": disagreeing,
+        "can_restore": bool(disagreeing) and "admin" in user_roles,
+        "restore_form": RestoreForm(),
         "attempts": invocation.attempts.select_related("outcome").order_by("number"),
         "probe_runs": [probe_run_row(e["event"]) for e in events if e["event"].kind == "probe_run"],
         "can_act": flagged and bool(user_roles & set(ACTORS)),
@@ -409,6 +414,30 @@ def probe_now(request: HttpRequest, invocation_id: str) -> HttpResponse:
         return _after_action(request, invocation_id, "")
     services.probe_requested(invocation_id=invocation_id, actor=actor(request), queued=True)
     return _after_action(request, invocation_id, "Probe queued; this page shows its result.")
+
+
+@require_POST
+@role_required("admin")
+def restore(request: HttpRequest, invocation_id: str) -> HttpResponse:
+    """Put a row changed outside the ledger back from its events, on the record: what
+    `manage.py restore_projection` does, from the page that shows the row broken."""
+    _invocation(invocation_id)  # 404 for an unknown one
+    form = RestoreForm(request.POST)
+    if not form.is_valid():
+        return _form_again(request, invocation_id, "restore_form", form)
+    try:
+        restored = restore_projection(
+            invocation_id=invocation_id, actor=actor(request), reason=form.cleaned_data["reason"]
+        )
+    except LedgerError as error:
+        return _refused(request, invocation_id, error)
+    if not restored:
+        return _after_action(
+            request, invocation_id, "It agrees with its events already; nothing was written."
+        )
+    return _after_action(
+        request, invocation_id, f"Restored from its events: {', '.join(sorted(restored))}."
+    )
 
 
 # The dashboard -----------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from django.contrib.auth.models import Group, User
 from django.db import connection, connections
 from django.test import Client
 from psycopg.pq import TransactionStatus
@@ -229,3 +230,13 @@ def unreachable_database() -> Iterator[None]:
             connection.close_pool()
         connection.settings_dict.clear()
         connection.settings_dict.update(saved)
+
+
+def person(name: str, *groups: str) -> Client:
+    """A console user in those roles (groups), logged in."""
+    user = User.objects.create_user(name, password="pw")
+    for group in groups:
+        user.groups.add(Group.objects.get_or_create(name=group)[0])
+    client = Client()
+    client.force_login(user)
+    return client

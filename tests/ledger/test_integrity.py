@@ -30,7 +30,7 @@ from ledger.models import (
     SealedEvent,
 )
 from reconciliation import services as reconciliation_services
-from tests.conftest import Api, intent_body
+from tests.conftest import Api, intent_body, person
 
 
 @pytest.fixture
@@ -467,6 +467,83 @@ def test_a_projection_is_not_restored_from_a_broken_chain(ledger: Api, ada: None
     assert "inv-2: not restored: chain broken at invocation inv-2 event #3" in err.getvalue()
     assert "inv-4: not restored: invocation inv-4: it has no events." in err.getvalue()
     assert not Event.objects.filter(kind="projection_restored").exists()
+
+
+def as_ada() -> Client:
+    client = Client()
+    client.force_login(User.objects.get(username="ada"))
+    return client
+
+
+def break_row_after_lost_evidence(ledger: Api) -> None:
+    """inv-5: a refund whose outcome was lost, its row edited to invite a second one."""
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
+    Invocation.objects.filter(invocation_id="inv-5").update(status="retry_allowed", cause="")
+
+
+def test_an_admin_restores_a_broken_row_from_its_page_on_the_record(ledger: Api, ada: None) -> None:
+    break_row_after_lost_evidence(ledger)
+    page_url = reverse("console:invocation", args=["inv-5"])
+    restore_url = reverse("console:restore", args=["inv-5"])
+    admin = as_ada()
+    assert "Restore from its events" in admin.get(page_url).content.decode()
+    # Others read that it is broken, and cannot restore it.
+    for role in ("operator", "approver", "compliance"):
+        other = person(f"{role}-1", role)
+        page = other.get(page_url).content.decode()
+        assert "no longer agrees with its events (cause, status)" in page
+        assert "Restore from its events" not in page
+        assert other.post(restore_url, {"reason": "mine"}).status_code == 403, role
+    # A reason is required.
+    response = admin.post(restore_url, {"reason": "  "})
+    assert response.status_code == 400
+    assert "This field is required." in response.content.decode()
+    assert not Event.objects.filter(kind="projection_restored").exists()
+
+    response = admin.post(restore_url, {"reason": "INC-9: status edited by hand"})
+
+    assert (response.status_code, response["Location"]) == (302, page_url)
+    page = admin.get(page_url).content.decode()
+    assert page.count("Restored from its events: cause, status.") == 1
+    assert "no longer agrees" not in page
+    restoring = Event.objects.get(kind="projection_restored")
+    assert (restoring.actor, restoring.data["reason"]) == (
+        "user:ada",
+        "INC-9: status edited by hand",
+    )
+    assert restoring.data["restored"]["status"] == {
+        "found": "retry_allowed",
+        "recorded": "reconciliation_required",
+    }
+    assert ledger.attempt("inv-5", "a2")[1]["error"]["type"] == "attempt_refused"
+    assert verify(projections=True).ok
+    # Sent again (a second admin's stale page, in place with htmx): nothing more written.
+    response = admin.post(restore_url, {"reason": "again"}, headers={"HX-Request": "true"})
+    assert response.status_code == 200
+    assert "It agrees with its events already; nothing was written." in response.content.decode()
+    assert Event.objects.filter(kind="projection_restored").count() == 1
+
+
+def test_the_page_does_not_restore_a_row_from_a_broken_chain(ledger: Api, ada: None) -> None:
+    superuser_sql(
+        "UPDATE ledger_event SET data = jsonb_set(data, '{state,status}', '\"failed\"') "
+        "WHERE id = %s",
+        event_id("inv-2", 3),
+    )
+    Invocation.objects.filter(invocation_id="inv-2").update(status="failed")
+    admin = as_ada()
+
+    response = admin.post(reverse("console:restore", args=["inv-2"]), {"reason": "x"})
+
+    assert response.status_code == 303
+    page = admin.get(reverse("console:invocation", args=["inv-2"])).content.decode()
+    assert "chain broken at invocation inv-2 event #3" in page
+    assert "The row was not restored from a broken chain." in page
+    assert not Event.objects.filter(kind="projection_restored").exists()
+    assert (
+        admin.post(reverse("console:restore", args=["inv-9"]), {"reason": "x"}).status_code == 404
+    )
 
 
 def test_only_an_admin_named_with_a_reason_restores(ledger: Api, ada: None) -> None:

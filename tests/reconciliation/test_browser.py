@@ -214,6 +214,31 @@ def test_an_approver_confirms_a_reference_named_elsewhere_since_the_proposal(
     )
 
 
+@pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
+def test_an_admin_restores_a_row_changed_outside_the_ledger(
+    browser: Browser, live_server: Any, flagged: None, javascript: bool
+) -> None:
+    Invocation.objects.filter(invocation_id="inv-1").update(status="retry_allowed", cause="")
+    user("ada", "admin")
+    admin = log_in(browser, live_server.url, "ada", javascript)
+    admin.goto(f"{live_server.url}/invocations/inv-1/")
+    broken = admin.locator(".broken-record")
+    expect(broken).to_contain_text("no longer agrees with its events (cause, status)")
+    if javascript:  # axe runs as the page's script
+        assert accessibility_problems(admin) == []
+
+    admin.fill(".broken-record textarea[name=reason]", "INC-9: edited by hand")
+    admin.click(".broken-record button[type=submit]")
+
+    expect(admin.locator(".message.success")).to_have_text(
+        "Restored from its events: cause, status."
+    )
+    expect(broken).to_have_count(0)
+    expect(admin.locator("dd.status")).to_have_text("reconciliation_required")
+    restoring = Invocation.objects.get(invocation_id="inv-1").events.get(kind="projection_restored")
+    assert (restoring.actor, restoring.data["reason"]) == ("user:ada", "INC-9: edited by hand")
+
+
 def test_no_page_logs_an_error_in_the_browser(
     browser: Browser, live_server: Any, flagged: None
 ) -> None:

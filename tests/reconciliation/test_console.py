@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from django.contrib.auth.models import Group, User
+from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -22,17 +22,8 @@ from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
-from tests.conftest import Api, process_env
+from tests.conftest import Api, person, process_env
 from tests.reconciliation.conftest import BrokerQueue, perform_refund
-
-
-def person(name: str, *groups: str) -> Client:
-    user = User.objects.create_user(name, password="pw")
-    for group in groups:
-        user.groups.add(Group.objects.get_or_create(name=group)[0])
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def flag(api: Api) -> None:
@@ -103,7 +94,7 @@ def test_the_queue_lists_flagged_invocations_full_page_or_fragment(
 def test_compliance_sees_no_action_and_cannot_post(flagged: str, compliance: Client) -> None:
     page = compliance.get("/invocations/inv-1/").content.decode()
     assert "Resolve" not in page and "I'm on it" not in page
-    for action in ("resolve", "claim", "release", "probe", "approve", "reject"):
+    for action in ("resolve", "claim", "release", "probe", "approve", "reject", "restore"):
         response = compliance.post(f"/invocations/inv-1/{action}", {"seen_event_count": 3})
         assert response.status_code == 403, action
     assert Invocation.objects.get().status == "reconciliation_required"
