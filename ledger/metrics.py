@@ -11,6 +11,8 @@ several workers would each hold a different part of.
 - `ledger_invocations_in_flight`: attempts awaiting an outcome;
 - `ledger_invocations_overdue` and `ledger_invocations_overdue_oldest_seconds`: those
   past their deadline that the sweeper has not flagged yet, and by how long;
+  `ledger_invocations_overdue_refused`: those of them whose rows were changed outside
+  the ledger, which the sweep refuses to flag until an admin restores them;
 - `ledger_probe_runs_last_hour{finding}`: what probes found in the last hour;
 - `ledger_shared_references_last_hour{kind}`: evidence recorded in the last hour that
   names a business reference other invocations' evidence names already (flagged
@@ -20,7 +22,8 @@ several workers would each hold a different part of.
   unsealed event would say more directly whether the sealer keeps up, but finding it
   walks every event of the sealer's ten-minute lookback.)
 - `ledger_background_behind{work}`: 1 when the sweeper or the sealer has fallen behind
-  by the rules of `BackgroundWork`, which the console's dashboard shows too.
+  by the rules of `BackgroundWork`, which the console's dashboard shows too. A row the
+  sweep refuses does not count: it waits for an admin, not for beat.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Count, Min, TextField, Value
+from django.db.models import Count, Min, TextField, Value, Window
 from django.db.models.fields.json import KT
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -40,12 +43,16 @@ from prometheus_client.registry import Collector
 
 from ledger import policy
 from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation, Seal
+from ledger.services import rows_disagreeing, with_heads
 
 RECENT = dt.timedelta(hours=1)
 # Behind means that beat has missed this many sweeps or seals in a row: a minute at
 # the default sweep interval of 5 s, ten minutes at the default seal interval of 60 s.
 MISSED_SWEEPS = 12
 MISSED_SEALS = 10
+# The overdue rows read, oldest first, to find the oldest that the sweep can flag: rows
+# it refuses (changed outside the ledger, waiting for an admin) are rare.
+OVERDUE_READ = 20
 
 
 def sweeper_slack() -> dt.timedelta:
@@ -67,13 +74,22 @@ class BackgroundWork:
     now: dt.datetime
     overdue: int
     oldest_overdue_deadline: dt.datetime | None
+    # Of the OVERDUE_READ oldest overdue: the ids of those the sweep refuses, and the
+    # deadline of the oldest it can flag.
+    refused: tuple[str, ...]
+    oldest_flaggable_deadline: dt.datetime | None
     newest_event_at: dt.datetime | None
     newest_seal_at: dt.datetime | None
     oldest_unsealed_candidate_at: dt.datetime | None  # the first event, while no seal exists
 
     @property
+    def for_the_sweep(self) -> int:
+        """The overdue attempts that the sweep can flag."""
+        return self.overdue - len(self.refused)
+
+    @property
     def sweeper_behind(self) -> bool:
-        deadline = self.oldest_overdue_deadline
+        deadline = self.oldest_flaggable_deadline
         return deadline is not None and self.now - deadline > sweeper_slack()
 
     @property
@@ -88,7 +104,18 @@ class BackgroundWork:
 
 def background_work(now: dt.datetime | None = None) -> BackgroundWork:
     now = now or timezone.now()
-    overdue = Invocation.objects.overdue(now).aggregate(n=Count("id"), oldest=Min("deadline_at"))
+    # One statement: each row read carries the count of every overdue row.
+    oldest = list(
+        with_heads(Invocation.objects.overdue(now))
+        .annotate(overdue=Window(Count("id")))
+        .order_by("deadline_at")[:OVERDUE_READ]
+    )
+    refused = rows_disagreeing(oldest)
+    flaggable = [row.deadline_at for row in oldest if row.invocation_id not in refused]
+    if not flaggable and len(refused) == OVERDUE_READ:
+        # Every row read is refused: the oldest the sweep can flag is younger than the
+        # last of them, and is taken as that old, which reports behind rather than not.
+        flaggable = [oldest[-1].deadline_at]
     newest_seal = Seal.objects.order_by("-last_sequence").values_list("created_at").first()
     newest_event = Event.objects.order_by("-created_at").values_list("created_at").first()
     first_event = None
@@ -96,8 +123,10 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         first_event = Event.objects.order_by("created_at").values_list("created_at").first()
     return BackgroundWork(
         now=now,
-        overdue=overdue["n"],
-        oldest_overdue_deadline=overdue["oldest"],
+        overdue=oldest[0].overdue if oldest else 0,  # type: ignore[attr-defined]
+        oldest_overdue_deadline=oldest[0].deadline_at if oldest else None,
+        refused=tuple(refused),
+        oldest_flaggable_deadline=flaggable[0] if flaggable else None,
         newest_event_at=newest_event[0] if newest_event else None,
         newest_seal_at=newest_seal[0] if newest_seal else None,
         oldest_unsealed_candidate_at=first_event[0] if first_event else None,
@@ -151,6 +180,12 @@ class LedgerCollector(Collector):
             "ledger_invocations_overdue_oldest_seconds",
             "How long the oldest of them has been past its deadline (0 if none).",
             value=_seconds_since(work.oldest_overdue_deadline, now),
+        )
+        yield GaugeMetricFamily(
+            "ledger_invocations_overdue_refused",
+            f"Of the {OVERDUE_READ} oldest of them, those whose rows were changed outside the "
+            "ledger: the sweep refuses them until an admin restores them from their events.",
+            value=len(work.refused),
         )
 
         recent = Event.objects.filter(created_at__gte=now - RECENT)

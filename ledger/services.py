@@ -879,9 +879,12 @@ def with_heads(rows: QuerySet[Invocation]) -> QuerySet[Invocation]:
     )
 
 
-def refuse_rows_disagreeing(rows: Iterable[Invocation], owner: Runtime) -> None:
-    """projection_broken if a row (`with_heads`) of `owner` disagrees with its events:
-    its typed state would tell a runtime what no event says."""
+def rows_disagreeing(
+    rows: Iterable[Invocation], owner: Runtime | None = None
+) -> dict[str, list[str]]:
+    """The fields of each row (`with_heads`) that disagree with its events, by
+    invocation id, for the rows that do (`_disagreement`; with `owner`, the runtime
+    asking, also whether that runtime recorded the intent of a row naming it)."""
     disagreeing = {}
     for row in rows:
         state, hash_ = row.head_state, row.head_event_hash  # type: ignore[attr-defined]
@@ -889,7 +892,13 @@ def refuse_rows_disagreeing(rows: Iterable[Invocation], owner: Runtime) -> None:
         head = store.Head(state or {}, hash_, intent, actor) if hash_ else None
         if fields := _disagreement(row, head, owner):
             disagreeing[row.invocation_id] = fields
-    if disagreeing:
+    return disagreeing
+
+
+def refuse_rows_disagreeing(rows: Iterable[Invocation], owner: Runtime) -> None:
+    """projection_broken if a row (`with_heads`) of `owner` disagrees with its events:
+    its typed state would tell a runtime what no event says."""
+    if disagreeing := rows_disagreeing(rows, owner):
         raise _rows_disagreeing(disagreeing)
 
 

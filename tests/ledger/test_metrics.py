@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pytest_django import DjangoAssertNumQueries
 from pytest_django.fixtures import Settings
 
+from ledger import metrics
 from ledger.integrity import seal_events
 from ledger.metrics import exposition
 from ledger.models import Capability, Event, Invocation, Seal
@@ -136,6 +137,54 @@ def test_a_sweeper_that_stopped_is_reported_behind(api: Api, refund: Capability)
     assert flag_missing_evidence(invocation_id="inv-1", now=deadline + dt.timedelta(seconds=61))
     swept = samples(exposition(now=deadline + dt.timedelta(seconds=62)))
     assert swept[("ledger_invocations_overdue", ())] == 0 and behind(swept, "sweeper") == 0
+
+
+def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
+    api: Api, refund: Capability
+) -> None:
+    """inv-1, its attempt long overdue, was changed outside the ledger: the sweep
+    refuses it until an admin restores it, which is no sign that beat stopped."""
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    deadline = Invocation.objects.get(invocation_id="inv-2").deadline_at
+    assert deadline is not None
+    Invocation.objects.filter(invocation_id="inv-1").update(
+        deadline_at=deadline - dt.timedelta(minutes=10), head_hash="0" * 64
+    )
+
+    just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
+    assert just_due[("ledger_invocations_overdue", ())] == 2
+    assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
+    assert just_due[("ledger_invocations_overdue_refused", ())] == 1
+    assert behind(just_due, "sweeper") == 0
+    # inv-2, which the sweep can flag, waits past a minute: now beat is behind.
+    stalled = samples(exposition(now=deadline + dt.timedelta(seconds=61)))
+    assert behind(stalled, "sweeper") == 1
+    assert flag_missing_evidence(invocation_id="inv-2", now=deadline + dt.timedelta(seconds=61))
+    swept = samples(exposition(now=deadline + dt.timedelta(seconds=62)))
+    assert swept[("ledger_invocations_overdue", ())] == 1
+    assert swept[("ledger_invocations_overdue_refused", ())] == 1
+    assert behind(swept, "sweeper") == 0
+
+
+def test_when_every_row_read_is_refused_the_sweeper_is_taken_as_behind(
+    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past OVERDUE_READ refused rows the ledger cannot tell how old the oldest row the
+    sweep could flag is, and says behind rather than keeping up."""
+    monkeypatch.setattr(metrics, "OVERDUE_READ", 1)
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    deadline = Invocation.objects.get(invocation_id="inv-2").deadline_at
+    assert deadline is not None
+    Invocation.objects.filter(invocation_id="inv-1").update(
+        deadline_at=deadline - dt.timedelta(minutes=10), head_hash="0" * 64
+    )
+
+    figures = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
+
+    assert figures[("ledger_invocations_overdue_refused", ())] == 1
+    assert behind(figures, "sweeper") == 1
 
 
 def test_a_sealer_that_stopped_is_reported_behind(api: Api, refund: Capability) -> None:

@@ -531,6 +531,25 @@ def test_the_dashboard_says_when_beats_work_falls_behind(
     assert 'class="keeping-up">Sealer' in stalled  # its first event is seconds old
 
 
+def test_the_dashboard_names_overdue_rows_the_sweep_refuses_and_is_not_alarmed(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    # Long overdue, and changed outside the ledger: every sweep refuses it.
+    Invocation.objects.update(
+        deadline_at=timezone.now() - dt.timedelta(minutes=2), head_hash="0" * 64
+    )
+
+    page = operator.get("/dashboard/").content.decode()
+
+    card = page.split('id="background-work"')[1].split("</section>")[0]
+    assert "Sweeper:\n      keeping up." in card
+    assert (
+        "Refused by the sweep, changed outside the ledger and waiting for an admin to "
+        'restore them from their events: <a href="/invocations/inv-1/">inv-1</a>.'
+    ) in card
+
+
 def test_an_age_filter_too_large_for_a_date_is_refused_by_name(
     flagged: str, operator: Client
 ) -> None:
