@@ -139,11 +139,9 @@ def test_a_sweeper_that_stopped_is_reported_behind(api: Api, refund: Capability)
     assert swept[("ledger_invocations_overdue", ())] == 0 and behind(swept, "sweeper") == 0
 
 
-def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
-    api: Api, refund: Capability
-) -> None:
-    """inv-1, its attempt long overdue, was changed outside the ledger: the sweep
-    refuses it until an admin restores it, which is no sign that beat stopped."""
+def refused_and_due(api: Api) -> dt.datetime:
+    """inv-1 and inv-2 in flight; inv-1 ten minutes overdue when inv-2 falls due, and
+    changed outside the ledger. Returns inv-2's deadline."""
     for n in (1, 2):
         api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
     deadline = Invocation.objects.get(invocation_id="inv-2").deadline_at
@@ -151,6 +149,15 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     Invocation.objects.filter(invocation_id="inv-1").update(
         deadline_at=deadline - dt.timedelta(minutes=10), head_hash="0" * 64
     )
+    return deadline
+
+
+def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
+    api: Api, refund: Capability
+) -> None:
+    """inv-1, its attempt long overdue, was changed outside the ledger: the sweep
+    refuses it until an admin restores it, which is no sign that beat stopped."""
+    deadline = refused_and_due(api)
 
     just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
@@ -173,13 +180,7 @@ def test_when_every_row_read_is_refused_the_sweeper_is_taken_as_behind(
     """Past OVERDUE_READ refused rows the ledger cannot tell how old the oldest row the
     sweep could flag is, and says behind rather than keeping up."""
     monkeypatch.setattr(metrics, "OVERDUE_READ", 1)
-    for n in (1, 2):
-        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
-    deadline = Invocation.objects.get(invocation_id="inv-2").deadline_at
-    assert deadline is not None
-    Invocation.objects.filter(invocation_id="inv-1").update(
-        deadline_at=deadline - dt.timedelta(minutes=10), head_hash="0" * 64
-    )
+    deadline = refused_and_due(api)
 
     figures = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
 
