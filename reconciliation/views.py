@@ -29,7 +29,13 @@ from ledger.integrity import restore_projection
 from ledger.metrics import background_work
 from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
-from ledger.services import LedgerError, disagreement, event_body
+from ledger.services import (
+    LedgerError,
+    disagreement,
+    event_body,
+    rows_disagreeing,
+    with_heads,
+)
 from reconciliation import services
 from reconciliation.forms import (
     MAX_RISK_RANK,
@@ -79,8 +85,10 @@ def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
     """
     if form.is_bound and not form.is_valid():
         return []
+    # Each row with its last event and its intent's, to mark the rows changed outside
+    # the ledger (`rows_disagreeing`); PostgreSQL reads them for the page's rows only.
     rows = (
-        Invocation.objects.flagged()
+        with_heads(Invocation.objects.flagged())
         .select_related("runtime")
         .annotate(risk_rank=RISK_FIRST)
         .order_by("risk_rank", "flagged_at", "id")
@@ -138,6 +146,8 @@ def queue(request: HttpRequest) -> HttpResponse:
     context = {
         "form": form,
         "rows": rows[:QUEUE_PAGE],
+        # Nothing is taken for them until an admin restores them: the page says so.
+        "changed_outside": rows_disagreeing(rows[:QUEUE_PAGE]),
         "next_query": next_query,
         "first_query": first_query.urlencode() if "after" in request.GET else None,
         "counts": status_counts(),

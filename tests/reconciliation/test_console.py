@@ -220,6 +220,25 @@ def test_the_queue_and_the_invocation_page_keep_their_query_counts(
     assert len(detail) <= 8, [q["sql"][:80] for q in detail]
 
 
+def test_the_queue_marks_a_row_changed_outside_the_ledger(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        assert flag_missing_evidence(
+            invocation_id=f"inv-{n}", now=timezone.now() + dt.timedelta(days=7)
+        )
+    Invocation.objects.filter(invocation_id="inv-2").update(cause="no_probe")
+
+    rows = operator.get("/").content.decode().split('id="queue-rows"')[1].split("<tr")[2:]
+
+    marked = {
+        re.findall(r'href="/invocations/([^/]+)/"', row)[0]: "changed outside the ledger" in row
+        for row in rows
+    }
+    assert marked == {"inv-1": False, "inv-2": True}
+
+
 def queue_page(operator: Client, query: str = "", **headers: str) -> tuple[list[str], str | None]:
     """The invocation ids a queue page lists, in order, and its next page's query."""
     page = operator.get(f"/?{query}", headers=headers).content.decode()
