@@ -100,12 +100,12 @@ def address_in_use(bind: str) -> bool:
     if not port.isdigit():
         return False
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+    try:
+        with socket.socket(family) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, int(port)))
-        except OSError as error:
-            return error.errno == errno.EADDRINUSE
+    except OSError as error:  # in use, or no such address or family here: gunicorn says
+        return error.errno == errno.EADDRINUSE
     return False
 
 

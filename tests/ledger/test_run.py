@@ -190,7 +190,13 @@ def test_a_second_ledger_on_a_taken_address_says_so_and_starts_nothing() -> None
 
 @pytest.mark.parametrize(
     ("bind", "in_use"),
-    [("{host}:{port}", True), ("[::1]:{port}", False), ("{host}:0", False), ("unix:/x", False)],
+    [
+        ("{host}:{port}", True),
+        ("[::1]:{port}", False),
+        ("{host}:0", False),
+        ("unix:/x", False),
+        ("10.255.255.1:{port}", False),  # not this machine's: for gunicorn to report
+    ],
 )
 def test_only_a_taken_tcp_address_counts_as_in_use(bind: str, in_use: bool) -> None:
     with socket.socket() as running:
