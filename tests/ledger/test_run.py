@@ -4,6 +4,7 @@ address starts nothing."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -204,6 +205,16 @@ def test_only_a_taken_tcp_address_counts_as_in_use(bind: str, in_use: bool) -> N
         running.listen()
         host, port = running.getsockname()
         assert run.address_in_use(bind.format(host=host, port=port)) is in_use
+
+
+def test_an_address_family_this_machine_lacks_is_left_to_gunicorn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_ipv6(family: int) -> socket.socket:
+        raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+
+    monkeypatch.setattr(run.socket, "socket", no_ipv6)
+    assert run.address_in_use("[::1]:8000") is False
 
 
 def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
