@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Count, Min, TextField, Value, Window
+from django.db.models import Count, Min, TextField, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -104,11 +104,12 @@ class BackgroundWork:
 
 def background_work(now: dt.datetime | None = None) -> BackgroundWork:
     now = now or timezone.now()
-    # One statement: each row read carries the count of every overdue row.
-    oldest = list(
-        with_heads(Invocation.objects.overdue(now))
-        .annotate(overdue=Window(Count("id")))
-        .order_by("deadline_at")[:OVERDUE_READ]
+    overdue = Invocation.objects.overdue(now)
+    counted = overdue.aggregate(n=Count("id"), oldest=Min("deadline_at"))
+    # Read apart from the count, and only when there is one: a window counting beside
+    # them would hold every overdue row, whole, to count them.
+    oldest = (
+        list(with_heads(overdue).order_by("deadline_at")[:OVERDUE_READ]) if counted["n"] else []
     )
     refused = rows_disagreeing(oldest)
     flaggable = [row.deadline_at for row in oldest if row.invocation_id not in refused]
@@ -123,8 +124,8 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         first_event = Event.objects.order_by("created_at").values_list("created_at").first()
     return BackgroundWork(
         now=now,
-        overdue=oldest[0].overdue if oldest else 0,  # type: ignore[attr-defined]
-        oldest_overdue_deadline=oldest[0].deadline_at if oldest else None,
+        overdue=counted["n"],
+        oldest_overdue_deadline=counted["oldest"],
         refused=tuple(refused),
         oldest_flaggable_deadline=flaggable[0] if flaggable else None,
         newest_event_at=newest_event[0] if newest_event else None,
@@ -134,8 +135,9 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
 
 
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: eight statements, each on an index (nine
-    before the first seal)."""
+    """Reads the figures once per scrape: eight statements, each on an index; one more
+    before the first seal, and one more while attempts are overdue (the oldest of
+    them, with their events, to tell those the sweep refuses)."""
 
     def __init__(self, now: dt.datetime) -> None:
         self.now = now

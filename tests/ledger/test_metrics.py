@@ -153,13 +153,16 @@ def refused_and_due(api: Api) -> dt.datetime:
 
 
 def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
-    api: Api, refund: Capability
+    api: Api, refund: Capability, django_assert_num_queries: DjangoAssertNumQueries
 ) -> None:
     """inv-1, its attempt long overdue, was changed outside the ledger: the sweep
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
+    # The eight, the first event's time (no seal yet), and the oldest overdue rows
+    # with their events.
+    with django_assert_num_queries(10):
+        just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
     assert just_due[("ledger_invocations_overdue_refused", ())] == 1
