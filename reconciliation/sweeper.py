@@ -147,10 +147,9 @@ def send_due_probes(
     return sent_ids
 
 
-def forget_spent_probe_jobs() -> int:
+def forget_spent_probe_jobs() -> None:
     """Delete the ProbeDispatch rows of jobs that are spent (their invocation has
     gained events since they were sent), so that the table holds only the jobs still
     waiting, not a row for every invocation ever flagged. A spent row never holds a job
     back, so forgetting it changes nothing `send_due_probes` sends."""
-    deleted, _ = ProbeDispatch.objects.filter(event_count__lt=F("invocation__event_count")).delete()
-    return deleted
+    ProbeDispatch.objects.filter(event_count__lt=F("invocation__event_count")).delete()

@@ -251,9 +251,10 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     seen = {"seen_event_count": invocation.event_count}
     proposal = invocation.proposal or {}
     events = timeline(invocation)
-    disagreeing = disagreement(invocation, [e["event"] for e in events], invocation.runtime)
+    recorded = [e["event"] for e in events]
+    disagreeing = disagreement(invocation, recorded, invocation.runtime)
     return {
-        "references": business_references(invocation, [e["event"] for e in events]),
+        "references": business_references(invocation, recorded),
         "invocation": invocation,
         "arguments": as_json(invocation.arguments),
         "has_probe": has_probe(invocation),

@@ -234,6 +234,19 @@ def restore_command(*ids: str, by: str = "ada", reason: str = "INC-7: row edited
     return out.getvalue()
 
 
+def as_ada() -> Client:
+    client = Client()
+    client.force_login(User.objects.get(username="ada"))
+    return client
+
+
+def break_row_after_lost_evidence(ledger: Api) -> None:
+    """inv-5: a refund whose outcome was lost, its row edited to invite a second one."""
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
+    ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
+    Invocation.objects.filter(invocation_id="inv-5").update(status="retry_allowed", cause="")
+
+
 @pytest.fixture
 def ada(db: None) -> None:
     User.objects.create_user("ada").groups.add(Group.objects.get_or_create(name="admin")[0])
@@ -291,9 +304,7 @@ def test_a_rewritten_projection_is_restored_from_its_events_on_the_record(
     }
     assert restoring.data["restored"]["head"]["found"] == [2, "0" * 64]
     assert Event.objects.filter(kind="projection_restored").count() == 1  # not for inv-1
-    client = Client()
-    client.force_login(User.objects.get(username="ada"))
-    action_log = client.get("/audit/actions/").content.decode()
+    action_log = as_ada().get("/audit/actions/").content.decode()
     assert "projection_restored" in action_log and "INC-7: row edited by hand" in action_log
 
 
@@ -407,13 +418,7 @@ def test_evidence_for_a_row_its_events_do_not_explain_is_refused_typed(
 ) -> None:
     """A refund whose outcome was lost, its row edited to invite a second one: the
     write reads the event the row counts as its last, and admits nothing."""
-    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
-    ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "UPDATE ledger_invocation SET status = 'retry_allowed', cause = '' "
-            "WHERE invocation_id = 'inv-5'"
-        )
+    break_row_after_lost_evidence(ledger)
     events = Event.objects.filter(invocation__invocation_id="inv-5")
     written = list(events.values_list("seq", "hash"))
 
@@ -430,8 +435,7 @@ def test_evidence_for_a_row_its_events_do_not_explain_is_refused_typed(
     # The console's and the probes' writes are refused alike, and the console says so.
     with pytest.raises(services.LedgerError, match="inv-5: cause, status"):
         reconciliation_services.invocation_claim(invocation_id="inv-5", worker="w")
-    console = Client()
-    console.force_login(User.objects.get(username="ada"))
+    console = as_ada()
     page = console.get(reverse("console:invocation", args=["inv-5"])).content.decode()
     assert "This record no longer agrees with its events (cause, status)" in page
 
@@ -467,19 +471,6 @@ def test_a_projection_is_not_restored_from_a_broken_chain(ledger: Api, ada: None
     assert "inv-2: not restored: chain broken at invocation inv-2 event #3" in err.getvalue()
     assert "inv-4: not restored: invocation inv-4: it has no events." in err.getvalue()
     assert not Event.objects.filter(kind="projection_restored").exists()
-
-
-def as_ada() -> Client:
-    client = Client()
-    client.force_login(User.objects.get(username="ada"))
-    return client
-
-
-def break_row_after_lost_evidence(ledger: Api) -> None:
-    """inv-5: a refund whose outcome was lost, its row edited to invite a second one."""
-    ledger.intent(invocation_id="inv-5", idempotency_key="k-5", attempt_id="a1")
-    ledger.outcome("inv-5", "a1", kind="post_dispatch_evidence_failed")
-    Invocation.objects.filter(invocation_id="inv-5").update(status="retry_allowed", cause="")
 
 
 def test_an_admin_restores_a_broken_row_from_its_page_on_the_record(ledger: Api, ada: None) -> None:
