@@ -6,17 +6,26 @@ import datetime as dt
 import hashlib
 import itertools
 import json
-from collections.abc import Iterator
+import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Max, Min, Q
+from django.db.models import Max, Min, Q, QuerySet
 from django.utils import timezone
 
 from ledger import chain, policy
-from ledger.models import RECORDED_AT_INTENT, Event, Invocation, Runtime, Seal, SealedEvent
+from ledger.models import (
+    RECORDED_AT_INTENT,
+    Event,
+    Invocation,
+    Runtime,
+    Seal,
+    SealedEvent,
+    VerificationPass,
+)
 from ledger.services import LedgerError, event_body, invocation_transition, runtime_actor
 from ledger.verify_bundle import merkle_root
 
@@ -24,6 +33,8 @@ from ledger.verify_bundle import merkle_root
 # later than this after it was stamped would be left for a later seal to pick up.
 SEAL_LOOKBACK = dt.timedelta(minutes=10)
 SEAL_BATCH = 50_000
+
+log = logging.getLogger(__name__)
 
 
 def seal_body(seal: Seal) -> dict[str, object]:
@@ -89,6 +100,12 @@ class Break:
 
     def __str__(self) -> str:
         return f"{self.what} broken at {self.where}: expected {self.expected}, found {self.found}"
+
+    @property
+    def invocation_id(self) -> str | None:
+        """The invocation a chain, replay or row break is in (an id holds no blank)."""
+        first, _, rest = self.where.partition(" ")
+        return rest.split(" ", 1)[0] if first == "invocation" else None
 
 
 @dataclass
@@ -287,17 +304,28 @@ def verify(
     report = Report()
     window = time_window(since, until)
     touched = Event.objects.filter(window).values("invocation_id").distinct()
-    # Every event of every touched chain in one streamed query, grouped per
-    # invocation here: a query per invocation would cost more than the hashing.
-    events = (
-        Event.objects.filter(invocation__in=touched)
-        .select_related("invocation__runtime")
+    _check_chains(report, Event.objects.filter(invocation__in=touched), projections=projections)
+    seals = Seal.objects.filter(window).order_by("first_sequence")
+    previous = Seal.objects.filter(first_sequence__lt=seals.values("first_sequence")[:1])
+    prev_hash = previous.order_by("-first_sequence").values_list("hash", flat=True).first()
+    _check_seals(report, seals, prev_hash)
+    return report
+
+
+def _check_chains(report: Report, events: QuerySet[Event], *, projections: bool) -> set[int]:
+    """Check each chain of `events` into the report; the invocations (pks) seen."""
+    # Every event of every chain in one streamed query, grouped per invocation here: a
+    # query per invocation would cost more than the hashing.
+    streamed = (
+        events.select_related("invocation__runtime")
         .order_by("invocation_id", "seq", "id")
         .iterator(chunk_size=5000)
     )
-    for _, group in itertools.groupby(events, key=lambda event: event.invocation_id):
+    seen = set()
+    for invocation_pk, group in itertools.groupby(streamed, key=lambda event: event.invocation_id):
         chained = list(group)
         invocation = chained[0].invocation
+        seen.add(invocation_pk)
         report.invocations += 1
         report.events += len(chained)
         broken = list(_chain_breaks(invocation, chained))
@@ -306,9 +334,12 @@ def verify(
         if projections:
             report.projections += 1
             report.breaks.extend(_projection_breaks(invocation, chained))
-    seals = Seal.objects.filter(window).order_by("first_sequence")
-    previous = Seal.objects.filter(first_sequence__lt=seals.values("first_sequence")[:1])
-    prev_hash = previous.order_by("-first_sequence").values_list("hash", flat=True).first()
+    return seen
+
+
+def _check_seals(report: Report, seals: Iterable[Seal], prev_hash: str | None) -> None:
+    """Check each seal into the report, the first against `prev_hash` (None: not
+    checked)."""
     for seal in seals:
         report.seals += 1
         where = f"seal {seal.pk} (sequence {seal.first_sequence}-{seal.last_sequence})"
@@ -334,7 +365,122 @@ def verify(
             report.breaks.append(Break("seal", where, f"hash {computed}", f"hash {seal.hash}"))
         prev_hash = seal.hash
         report.newest_seal = seal
-    return report
+
+
+# Background verification ----------------------------------------------------------
+
+# Seals are read a page at a time and checked up to SEAL_BATCH events a slice (at
+# least one seal, however large): a seal's check reads every event it sealed.
+SEALS_READ = 1000
+# Passes that found nothing are kept this many; those that found a break, all.
+CLEAN_PASSES_KEPT = 100
+
+
+@transaction.atomic
+def verify_next_slice(
+    *, invocations: int, now: dt.datetime | None = None
+) -> VerificationPass | None:
+    """Verify the running pass's next `invocations` invocations (chains, replays and
+    rows) and its next seals, starting a pass if none runs; None when another run
+    holds the lock. The pass is finished when it has reached the ends it started with.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(hashtext('ledger.verify_next_slice'))")
+        if not cursor.fetchone()[0]:
+            return None
+    now = now or timezone.now()
+    running = VerificationPass.objects.filter(finished_at=None).first() or _start_pass(now)
+    report = Report()
+
+    ids = dict(
+        Invocation.objects.filter(pk__gt=running.after_invocation, pk__lte=running.until_invocation)
+        .order_by("pk")
+        .values_list("pk", "invocation_id")[:invocations]
+    )
+    if ids:
+        first, last = min(ids), max(ids)
+        in_slice = Event.objects.filter(invocation_id__gte=first, invocation_id__lte=last)
+        seen = _check_chains(report, in_slice, projections=True)
+        for pk in sorted(ids.keys() - seen):
+            # The events table refuses DELETE: a superuser switched its trigger off.
+            report.breaks.append(
+                Break("chain", f"invocation {ids[pk]}", "its intent event at least", "no event")
+            )
+            report.invocations += 1
+        running.after_invocation = last
+
+    seals, more_seals = _next_seals(running)
+    if seals:
+        _check_seals(report, seals, running.after_seal_hash)
+        running.after_seal, running.after_seal_hash = seals[-1].first_sequence, seals[-1].hash
+
+    running.invocations += report.invocations
+    running.events += report.events
+    running.seals += report.seals
+    running.break_count += len(report.breaks)
+    room = VerificationPass.BREAKS_KEPT - len(running.breaks)
+    running.breaks += [
+        {"break": str(broken), "invocation_id": broken.invocation_id}
+        for broken in report.breaks[: max(room, 0)]
+    ]
+    running.checked_at = now
+    reached_the_end = running.after_invocation >= running.until_invocation
+    if (reached_the_end or len(ids) < invocations) and not more_seals:
+        running.finished_at = now
+    running.save()
+    for broken in report.breaks:
+        log.error("verification pass=%d %s", running.pk, broken)
+    if running.finished_at:
+        log.info(
+            "verification pass=%d finished invocations=%d events=%d seals=%d breaks=%d",
+            running.pk,
+            running.invocations,
+            running.events,
+            running.seals,
+            running.break_count,
+        )
+    return running
+
+
+def newest_passes() -> tuple[VerificationPass | None, VerificationPass | None]:
+    """The background verification pass running, if one is, and the last finished."""
+    passes = list(VerificationPass.objects.order_by("-started_at")[:2])
+    running = passes[0] if passes and passes[0].finished_at is None else None
+    finished = next((p for p in passes if p.finished_at is not None), None)
+    return running, finished
+
+
+def _start_pass(now: dt.datetime) -> VerificationPass:
+    """A new pass up to the newest invocation and seal; old clean passes forgotten."""
+    kept = VerificationPass.objects.filter(break_count=0).order_by("-started_at")
+    VerificationPass.objects.filter(
+        break_count=0, pk__in=kept.values("pk")[CLEAN_PASSES_KEPT - 1 :]
+    ).delete()
+    newest_seal = Seal.objects.aggregate(at=Max("first_sequence"))["at"]
+    return VerificationPass.objects.create(
+        started_at=now,
+        checked_at=now,
+        until_invocation=Invocation.objects.aggregate(at=Max("pk"))["at"] or 0,
+        until_seal=newest_seal or 0,
+    )
+
+
+def _next_seals(running: VerificationPass) -> tuple[list[Seal], bool]:
+    """The pass's next seals, up to SEAL_BATCH events (at least one seal), and whether
+    more are left after them."""
+    page = list(
+        Seal.objects.filter(
+            first_sequence__gt=running.after_seal, first_sequence__lte=running.until_seal
+        ).order_by("first_sequence")[:SEALS_READ]
+    )
+    taken: list[Seal] = []
+    events = 0
+    for seal in page:
+        if taken and events + seal.event_count > SEAL_BATCH:
+            return taken, True
+        taken.append(seal)
+        events += seal.event_count
+    return taken, len(page) == SEALS_READ
 
 
 def export_bundle(

@@ -21,9 +21,14 @@ several workers would each hold a different part of.
   the newest event was recorded and the newest seal made. (The age of the oldest
   unsealed event would say more directly whether the sealer keeps up, but finding it
   walks every event of the sealer's ten-minute lookback.)
-- `ledger_background_behind{work}`: 1 when the sweeper or the sealer has fallen behind
-  by the rules of `BackgroundWork`, which the console's dashboard shows too. A row the
-  sweep refuses does not count: it waits for an admin, not for beat.
+- `ledger_verification_breaks{pass}`: the breaks (a chain, a replay, a row or a seal
+  that does not verify) found by the last finished background verification pass and
+  so far by the running one, and `ledger_verification_finished_timestamp_seconds`,
+  when the last pass finished;
+- `ledger_background_behind{work}`: 1 when the sweeper, the sealer or the verifier
+  has fallen behind by the rules of `BackgroundWork`, which the console's dashboard
+  shows too. A row the sweep refuses does not count: it waits for an admin, not for
+  beat.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ledger import policy
-from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation, Seal
+from ledger.integrity import newest_passes
+from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation, Seal, VerificationPass
 from ledger.services import rows_disagreeing, with_heads
 
 RECENT = dt.timedelta(hours=1)
@@ -50,6 +56,7 @@ RECENT = dt.timedelta(hours=1)
 # the default sweep interval of 5 s, ten minutes at the default seal interval of 60 s.
 MISSED_SWEEPS = 12
 MISSED_SEALS = 10
+MISSED_VERIFICATIONS = 10
 # The overdue rows read, oldest first, to find the oldest that the sweep can flag: rows
 # it refuses (changed outside the ledger, waiting for an admin) are rare.
 OVERDUE_READ = 20
@@ -61,6 +68,10 @@ def sweeper_slack() -> dt.timedelta:
 
 def sealer_slack() -> dt.timedelta:
     return dt.timedelta(seconds=MISSED_SEALS * settings.LEDGER_SEAL_INTERVAL_SECONDS)
+
+
+def verifier_slack() -> dt.timedelta:
+    return dt.timedelta(seconds=MISSED_VERIFICATIONS * settings.LEDGER_VERIFY_INTERVAL_SECONDS)
 
 
 def _seconds_since(then: dt.datetime | None, now: dt.datetime) -> float:
@@ -81,6 +92,9 @@ class BackgroundWork:
     newest_event_at: dt.datetime | None
     newest_seal_at: dt.datetime | None
     oldest_unsealed_candidate_at: dt.datetime | None  # the first event, while no seal exists
+    # The background verification passes: the one running, and the last one finished.
+    running_pass: VerificationPass | None
+    finished_pass: VerificationPass | None
 
     @property
     def for_the_sweep(self) -> int:
@@ -100,6 +114,13 @@ class BackgroundWork:
             first = self.oldest_unsealed_candidate_at
             return first is not None and self.now - first > sealer_slack()
         return self.newest_event_at - self.newest_seal_at > sealer_slack()
+
+    @property
+    def verifier_behind(self) -> bool:
+        """No slice for ten intervals. (Before the first one, beat's other work shows
+        whether it runs.)"""
+        newest = self.running_pass or self.finished_pass
+        return newest is not None and self.now - newest.checked_at > verifier_slack()
 
 
 def background_work(now: dt.datetime | None = None) -> BackgroundWork:
@@ -122,6 +143,7 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
     first_event = None
     if newest_seal is None and newest_event is not None:
         first_event = Event.objects.order_by("created_at").values_list("created_at").first()
+    running, finished = newest_passes()
     return BackgroundWork(
         now=now,
         overdue=counted["n"],
@@ -131,11 +153,13 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         newest_event_at=newest_event[0] if newest_event else None,
         newest_seal_at=newest_seal[0] if newest_seal else None,
         oldest_unsealed_candidate_at=first_event[0] if first_event else None,
+        running_pass=running,
+        finished_pass=finished,
     )
 
 
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: eight statements, each on an index; one more
+    """Reads the figures once per scrape: nine statements, each on an index; one more
     before the first seal, and one more while attempts are overdue (the oldest of
     them, with their events, to tell those the sweep refuses)."""
 
@@ -222,13 +246,31 @@ class LedgerCollector(Collector):
 
         behind = GaugeMetricFamily(
             "ledger_background_behind",
-            "1 when beat's sweeper (an attempt overdue for 12 sweep intervals) or sealer "
-            "(events newer than the newest seal by 10 seal intervals) is not keeping up.",
+            "1 when beat's sweeper (an attempt overdue for 12 sweep intervals), sealer "
+            "(events newer than the newest seal by 10 seal intervals) or verifier (no slice "
+            "verified for 10 intervals) is not keeping up.",
             labels=["work"],
         )
         behind.add_metric(["sweeper"], int(work.sweeper_behind))
         behind.add_metric(["sealer"], int(work.sealer_behind))
+        behind.add_metric(["verifier"], int(work.verifier_behind))
         yield behind
+        verification = GaugeMetricFamily(
+            "ledger_verification_breaks",
+            "Breaks found by background verification: chains, replays, rows or seals that "
+            "do not verify, by the last finished pass and so far by the running one.",
+            labels=["pass"],
+        )
+        for name, verified in (("finished", work.finished_pass), ("running", work.running_pass)):
+            verification.add_metric([name], verified.break_count if verified else 0)
+        yield verification
+        finished_at = work.finished_pass.finished_at if work.finished_pass else None
+        yield GaugeMetricFamily(
+            "ledger_verification_finished_timestamp_seconds",
+            "When the last background verification pass over the whole ledger finished, "
+            "in Unix time (0 if none yet).",
+            value=finished_at.timestamp() if finished_at else 0.0,
+        )
         yield GaugeMetricFamily(
             "ledger_seal_last_timestamp_seconds",
             "When the newest seal was made, in Unix time (0 if none yet).",

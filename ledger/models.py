@@ -16,6 +16,7 @@ from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from ledger import policy
+from ledger.chain import GENESIS_HASH
 from ledger.identifiers import IDENTIFIER_HINT, IDENTIFIER_REGEX
 from ledger.probe_config import validate_probe_config
 
@@ -591,6 +592,53 @@ class SealedEvent(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.sequence}: {self.event_id}"  # type: ignore[attr-defined]
+
+
+class VerificationPass(models.Model):
+    """One background pass of verify_ledger over the whole ledger, a slice per run of
+    beat's task (`ledger.integrity.verify_next_slice`): every chain, its replay through
+    the retry policy and its row, then every seal.
+
+    A pass covers what existed when it started (up to `until_invocation` and
+    `until_seal`); what is recorded later is the next pass's. The first BREAKS_KEPT
+    breaks are kept, each as verify_ledger prints it (`break`) with the invocation it
+    is in (`invocation_id`, null for a seal's).
+    """
+
+    BREAKS_KEPT = 100
+
+    started_at = models.DateTimeField(default=timezone.now)
+    checked_at = models.DateTimeField(default=timezone.now)  # the last slice's end
+    finished_at = models.DateTimeField(null=True, blank=True)
+    until_invocation = models.BigIntegerField()
+    until_seal = models.BigIntegerField()
+    # Where the next slice starts: after this invocation (pk) and this seal (its
+    # first_sequence), whose hash the next seal must name as its prev_hash.
+    after_invocation = models.BigIntegerField(default=0)
+    after_seal = models.BigIntegerField(default=0)
+    after_seal_hash = models.CharField(max_length=64, default=GENESIS_HASH)
+    invocations = models.PositiveBigIntegerField(default=0)
+    events = models.PositiveBigIntegerField(default=0)
+    seals = models.PositiveBigIntegerField(default=0)
+    break_count = models.PositiveIntegerField(default=0)
+    breaks = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        constraints = [
+            # One pass runs at a time; the task also takes an advisory lock, so two
+            # beats (a misconfiguration) skip rather than fail on this.
+            models.UniqueConstraint(
+                fields=["finished_at"],
+                condition=Q(finished_at__isnull=True),
+                nulls_distinct=False,
+                name="verification_pass_one_running",
+            ),
+        ]
+        # The newest passes, for /metrics and the dashboard.
+        indexes = [models.Index(fields=["-started_at"], name="verification_pass_newest")]
+
+    def __str__(self) -> str:
+        return f"verification pass {self.pk} from {self.started_at:%Y-%m-%d %H:%M}"
 
 
 class AdminAction(models.Model):

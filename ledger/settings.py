@@ -333,6 +333,11 @@ LEDGER_PROBE_SECRETS = {
 # Python probes that may be named in a capability's probe configuration.
 LEDGER_PYTHON_PROBES = [p for p in os.environ.get("LEDGER_PYTHON_PROBES", "").split(",") if p]
 LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60)
+# Background verification: every interval, the running pass checks this many more
+# invocations (every event of each) and the seals that follow; a pass covers the whole
+# ledger as it was when it started, then the next one starts.
+LEDGER_VERIFY_INTERVAL_SECONDS = env_int("LEDGER_VERIFY_INTERVAL_SECONDS", 60)
+LEDGER_VERIFY_SLICE = env_int("LEDGER_VERIFY_SLICE", 2000)
 # The console's Verify page checks at most this many events in one request (about 20 s
 # at the ~10,000 events/s measured); `manage.py verify_ledger` has no limit.
 LEDGER_VERIFY_PAGE_MAX_EVENTS = env_int("LEDGER_VERIFY_PAGE_MAX_EVENTS", 200_000)
@@ -342,6 +347,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "seal-new-events": {
         "task": "ledger.tasks.seal_new_events",
         "schedule": float(LEDGER_SEAL_INTERVAL_SECONDS),
+    },
+    "verify-next-slice": {
+        "task": "ledger.tasks.verify_next_slice_of_the_ledger",
+        "schedule": float(LEDGER_VERIFY_INTERVAL_SECONDS),
+        "options": {"expires": float(LEDGER_VERIFY_INTERVAL_SECONDS)},
     },
     "sweep-overdue-attempts": {
         "task": "reconciliation.tasks.sweep_overdue_attempts",

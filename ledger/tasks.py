@@ -3,8 +3,9 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from django.conf import settings
 
-from ledger.integrity import seal_events
+from ledger.integrity import seal_events, verify_next_slice
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +30,11 @@ def seal_new_events() -> int:
         seal.hash,
     )
     return seal.event_count
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def verify_next_slice_of_the_ledger() -> None:
+    """Beat runs this every LEDGER_VERIFY_INTERVAL_SECONDS: the running verification
+    pass checks the next LEDGER_VERIFY_SLICE invocations and the seals that follow,
+    logging each break it finds (`ledger.integrity.verify_next_slice`)."""
+    verify_next_slice(invocations=settings.LEDGER_VERIFY_SLICE)

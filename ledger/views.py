@@ -31,7 +31,12 @@ from ledger.audit import (
     page_cursor,
     search,
 )
-from ledger.integrity import UNEXPLAINED_HISTORY_ADVICE, more_events_than, verify
+from ledger.integrity import (
+    UNEXPLAINED_HISTORY_ADVICE,
+    more_events_than,
+    newest_passes,
+    verify,
+)
 from ledger.metrics import exposition
 from ledger.models import AdminAction, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
@@ -245,10 +250,13 @@ def audit_verify(request: HttpRequest) -> HttpResponse:
             too_many = limit
         else:
             report = verify(since=since, until=until, projections=True)
+    running, finished = newest_passes()
     context = {
         "form": form,
         "report": report,
         "too_many": too_many,
         "unexplained_history_advice": UNEXPLAINED_HISTORY_ADVICE,
+        "running": running,
+        "finished": finished,
     }
     return render(request, "ledger/verify.html", context)

@@ -21,7 +21,6 @@ from ledger import chain, services
 from ledger.integrity import merkle_root, seal_events, verify
 from ledger.models import (
     Attempt,
-    Capability,
     Event,
     Invocation,
     Outcome,
@@ -31,27 +30,7 @@ from ledger.models import (
 )
 from reconciliation import services as reconciliation_services
 from tests.conftest import Api, intent_body, person
-
-
-@pytest.fixture
-def ledger(api: Api, refund: Capability) -> Api:
-    """Three invocations with events, sealed once, then one more event unsealed."""
-    for n in (1, 2, 3):
-        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
-        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference=f"RF-{n}")
-    assert seal_events() is not None
-    api.intent(invocation_id="inv-4", idempotency_key="k-4")
-    return api
-
-
-def superuser_sql(sql: str, *params: str | int) -> None:
-    """Tampering as a superuser, who can switch every trigger off for a session."""
-    with connection.cursor() as cursor:
-        cursor.execute("SET session_replication_role = replica")
-        try:
-            cursor.execute(sql, params)
-        finally:
-            cursor.execute("SET session_replication_role = origin")
+from tests.ledger.conftest import superuser_sql
 
 
 def verify_command(*args: str) -> str:

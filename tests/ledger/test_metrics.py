@@ -11,12 +11,13 @@ from pytest_django import DjangoAssertNumQueries
 from pytest_django.fixtures import Settings
 
 from ledger import metrics
-from ledger.integrity import seal_events
+from ledger.integrity import seal_events, verify_next_slice
 from ledger.metrics import exposition
 from ledger.models import Capability, Event, Invocation, Seal
 from ledger.services import flag_missing_evidence
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api
+from tests.ledger.conftest import superuser_sql
 
 
 def samples(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -100,7 +101,8 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
     for n in range(5):
         flagged(api, f"inv-{n}")
     seal_events()
-    with django_assert_num_queries(8):
+    verify_next_slice(invocations=2)
+    with django_assert_num_queries(9):
         scrape(client)
 
 
@@ -159,9 +161,9 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    # The eight, the first event's time (no seal yet), and the oldest overdue rows
+    # The nine, the first event's time (no seal yet), and the oldest overdue rows
     # with their events.
-    with django_assert_num_queries(10):
+    with django_assert_num_queries(11):
         just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
@@ -206,6 +208,39 @@ def test_a_sealer_that_stopped_is_reported_behind(api: Api, refund: Capability) 
     assert behind(samples(exposition(now=late)), "sealer") == 1
     assert seal_events(now=late) is not None
     assert behind(samples(exposition(now=late)), "sealer") == 0
+
+
+@pytest.mark.rewrites_history
+def test_breaks_found_by_background_verification_are_reported(ledger: Api) -> None:
+    assert samples(exposition())[("ledger_verification_finished_timestamp_seconds", ())] == 0
+    superuser_sql("UPDATE ledger_invocation SET status = 'failed' WHERE invocation_id = 'inv-3'")
+    running = verify_next_slice(invocations=3)
+    assert running is not None and running.finished_at is None
+    figures = samples(exposition())
+    assert figures[("ledger_verification_breaks", (("pass", "running"),))] == 1
+    assert figures[("ledger_verification_breaks", (("pass", "finished"),))] == 0
+    finished = verify_next_slice(invocations=3)
+    assert finished is not None and finished.finished_at is not None
+    started = verify_next_slice(invocations=2)  # the next pass, clean so far
+    assert started is not None and started.pk != finished.pk
+    figures = samples(exposition())
+    assert figures[("ledger_verification_breaks", (("pass", "finished"),))] == 1
+    assert figures[("ledger_verification_breaks", (("pass", "running"),))] == 0
+    assert figures[("ledger_verification_finished_timestamp_seconds", ())] == (
+        finished.finished_at.timestamp()
+    )
+
+
+def test_a_verifier_that_stopped_is_reported_behind(ledger: Api, settings: Settings) -> None:
+    settings.LEDGER_VERIFY_INTERVAL_SECONDS = 60
+    assert behind(samples(exposition()), "verifier") == 0  # nothing verified yet
+    verified = verify_next_slice(invocations=1)
+    assert verified is not None
+    at = verified.checked_at
+    assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "verifier") == 0
+    assert behind(samples(exposition(now=at + dt.timedelta(minutes=11))), "verifier") == 1
+    assert verify_next_slice(invocations=1, now=at + dt.timedelta(minutes=11)) is not None
+    assert behind(samples(exposition(now=at + dt.timedelta(minutes=11))), "verifier") == 0
 
 
 def test_with_a_token_set_a_scrape_must_present_it(

@@ -14,6 +14,7 @@ from axe_playwright_python.sync_playwright import Axe
 from django.contrib.auth.models import Group, User
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
+from ledger.integrity import verify_next_slice
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
 from tests.conftest import Api
@@ -307,6 +308,11 @@ def test_axe_finds_nothing_on_any_console_page_in_any_state(
     abe.goto(f"{base}/invocations/inv-2/")
     expect(abe.locator(".proposal button[type=submit]")).to_be_visible()
     found["proposal, to an approver"] = accessibility_problems(abe)
+    # A row changed outside the ledger, found by a whole background pass: the dashboard
+    # and the Verify page list it, beside a running pass.
+    Invocation.objects.filter(invocation_id="inv-3").update(status="failed")
+    assert verify_next_slice(invocations=100) is not None
+    assert verify_next_slice(invocations=1) is not None
     for path in ("/", "/?older_than_minutes=soon", "/dashboard/", "/audit/",
                  "/audit/?capability=refund.create", "/audit/?since=yesterday",
                  "/audit/actions/", "/audit/verify/?run=1", "/invocations/inv-3/"):  # fmt: skip

@@ -18,6 +18,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from ledger.integrity import verify_next_slice
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
@@ -567,6 +568,34 @@ def test_the_dashboard_names_overdue_rows_the_sweep_refuses_and_is_not_alarmed(
         "Refused by the sweep, changed outside the ledger and waiting for an admin to "
         'restore them from their events: <a href="/invocations/inv-1/">inv-1</a>.'
     ) in card
+
+
+def test_the_dashboard_shows_what_background_verification_found(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}")
+    Invocation.objects.filter(invocation_id="inv-2").update(status="failed")
+
+    def card(name: str) -> str:
+        page = operator.get("/dashboard/").content.decode()
+        return page.split(f'id="{name}"')[1].split("</section>")[0]
+
+    assert "No whole pass yet." in card("verification")
+    assert "Verifier:\n      no pass yet." in card("background-work")
+    assert verify_next_slice(invocations=1) is not None
+    assert "Running for under a minute: 1 invocation checked so far." in card("verification")
+    assert verify_next_slice(invocations=1) is not None
+    found = card("verification")
+    assert (
+        '<p class="behind">Last whole pass, finished under a minute ago: 2 invocations, '
+        "2 events and 0 seals,\n      1 break found:</p>"
+    ) in found
+    assert (
+        "<li><code>projection broken at invocation inv-2 status: expected &#x27;recorded&#x27;, "
+        'found &#x27;failed&#x27;</code> <a href="/invocations/inv-2/">its page</a></li>'
+    ) in found
+    assert "Verifier:\n      keeping up." in card("background-work")
 
 
 def test_an_age_filter_too_large_for_a_date_is_refused_by_name(

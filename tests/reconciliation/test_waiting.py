@@ -118,7 +118,7 @@ def test_the_queue_keeps_a_claimed_invocation_in_its_place(api: Api, refund: Cap
 def test_the_first_minute_of_a_wait_reads_under_a_minute() -> None:
     from django.utils import timezone
 
-    from reconciliation.templatetags.console import waited
+    from ledger.templatetags.console import waited
 
     now = timezone.now()
     assert waited(now - dt.timedelta(seconds=20)) == "under a minute"

@@ -17,7 +17,7 @@ from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from ledger.models import Capability, Invocation
+from ledger.models import Capability, Invocation, VerificationPass
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
@@ -275,3 +275,25 @@ def test_worker_and_beat_log_what_they_did_in_the_web_format(
         assert said.count(f"probe invocation=inv-{n} finding=no_probe status=escalated") == 1
     assert not [record for record in worker if "received" in record or "succeeded in" in record]
     assert not [record for record in beat if "Sending due task" in record]
+
+
+def test_beat_has_a_worker_verify_the_ledger_and_find_a_row_changed_outside_it(
+    api: Api, refund: Capability, workers: Workers, tmp_path: Path
+) -> None:
+    api.intent(invocation_id="inv-1", idempotency_key="k-1")
+    api.intent(invocation_id="inv-2", idempotency_key="k-2")
+    Invocation.objects.filter(invocation_id="inv-2").update(status="failed")
+    workers.start()
+    workers.beat(tmp_path, LEDGER_VERIFY_INTERVAL_SECONDS="1")
+
+    found = VerificationPass.objects.filter(finished_at__isnull=False, break_count__gt=0)
+    wait_for(found.exists)
+    verified = found.earliest("started_at")
+    assert (verified.invocations, verified.events) == (2, 2)
+    assert verified.breaks == [
+        {
+            "break": "projection broken at invocation inv-2 status: expected 'recorded', "
+            "found 'failed'",
+            "invocation_id": "inv-2",
+        }
+    ]

@@ -1,4 +1,4 @@
-"""Template filters of the operator console."""
+"""Template filters of the console pages (operator and audit)."""
 
 from __future__ import annotations
 

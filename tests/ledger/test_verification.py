@@ -1,0 +1,185 @@
+"""Background verification: beat's task checks the whole ledger a slice at a time, and
+each kind of tampering is found by the pass that reaches it, without anyone asking."""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+import pytest
+from django.db import connection
+
+from ledger.integrity import CLEAN_PASSES_KEPT, seal_events, verify_next_slice
+from ledger.models import Event, Invocation, Seal, VerificationPass
+from tests.conftest import Api, person
+from tests.ledger.conftest import superuser_sql
+
+
+def whole_pass(slice_size: int = 2) -> VerificationPass:
+    """Slices until the running pass finishes; the finished pass."""
+    for _ in range(100):
+        verified = verify_next_slice(invocations=slice_size)
+        assert verified is not None
+        if verified.finished_at is not None:
+            return verified
+    raise AssertionError("the pass never finished")
+
+
+def said(verified: VerificationPass) -> list[str]:
+    """The pass's breaks as verify_ledger prints them."""
+    return [broken["break"] for broken in verified.breaks]
+
+
+def test_it_checks_every_invocation_event_and_seal_a_slice_at_a_time(ledger: Api) -> None:
+    first = verify_next_slice(invocations=3)
+    assert first is not None and first.finished_at is None
+    assert (first.invocations, first.seals) == (3, 1)
+    assert first.after_invocation == Invocation.objects.get(invocation_id="inv-3").pk
+    second = verify_next_slice(invocations=3)
+    assert second is not None and second.pk == first.pk
+    assert second.finished_at is not None
+    assert (second.invocations, second.events, second.seals) == (4, Event.objects.count(), 1)
+    assert (second.break_count, second.breaks) == (0, [])
+
+
+def test_a_pass_covers_the_ledger_as_it_was_when_it_started(ledger: Api) -> None:
+    started = verify_next_slice(invocations=2)
+    assert started is not None and started.finished_at is None
+    ledger.intent(invocation_id="inv-5", idempotency_key="k-5")
+    finished = whole_pass(slice_size=3)  # room for inv-5 too: it is left out
+    assert (finished.pk, finished.invocations) == (started.pk, 4)
+    following = whole_pass()
+    assert following.pk != started.pk
+    assert following.invocations == 5
+
+
+@pytest.mark.rewrites_history
+def test_it_finds_and_logs_a_row_changed_outside_the_ledger(
+    ledger: Api, caplog: pytest.LogCaptureFixture
+) -> None:
+    superuser_sql("UPDATE ledger_invocation SET status = 'failed' WHERE invocation_id = 'inv-2'")
+    with caplog.at_level(logging.ERROR, logger="ledger.integrity"):
+        finished = whole_pass()
+    assert finished.break_count == 1
+    assert finished.breaks == [
+        {
+            "break": "projection broken at invocation inv-2 status: expected 'succeeded', "
+            "found 'failed'",
+            "invocation_id": "inv-2",
+        }
+    ]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"verification pass={finished.pk} {said(finished)[0]}"
+    ]
+
+
+@pytest.mark.rewrites_history
+def test_it_finds_an_invocation_whose_events_were_deleted(ledger: Api) -> None:
+    superuser_sql(
+        "DELETE FROM ledger_event WHERE invocation_id = "
+        "(SELECT id FROM ledger_invocation WHERE invocation_id = 'inv-4')"
+    )
+    finished = whole_pass()
+    assert finished.breaks == [
+        {
+            "break": "chain broken at invocation inv-4: expected its intent event at least, "
+            "found no event",
+            "invocation_id": "inv-4",
+        }
+    ]
+    assert finished.invocations == 4
+
+
+@pytest.mark.rewrites_history
+def test_it_finds_an_event_rewritten_and_a_seal_rewritten(ledger: Api) -> None:
+    superuser_sql(
+        "UPDATE ledger_event SET data = jsonb_set(data, '{business_reference}', '\"RF-X\"') "
+        "WHERE kind = 'outcome_recorded' AND invocation_id = "
+        "(SELECT id FROM ledger_invocation WHERE invocation_id = 'inv-1')"
+    )
+    superuser_sql("UPDATE ledger_seal SET event_count = event_count + 1")
+    seal = Seal.objects.get()
+    finished = whole_pass()
+    where = f"seal {seal.pk} (sequence {seal.first_sequence}-{seal.last_sequence})"
+    assert [broken.split(": expected ")[0] for broken in said(finished)] == [
+        "chain broken at invocation inv-1 event #3",
+        f"seal broken at {where}",
+        f"seal broken at {where}",
+    ]
+    assert said(finished)[1].endswith(f"over {seal.event_count - 1} events")
+    assert said(finished)[2].endswith(f"found hash {seal.hash}")
+    assert [broken["invocation_id"] for broken in finished.breaks] == ["inv-1", None, None]
+
+
+@pytest.mark.rewrites_history
+def test_it_finds_a_seal_that_does_not_follow_the_one_before(ledger: Api) -> None:
+    first = Seal.objects.get()
+    second = seal_events()  # inv-4's intent, which the fixture left unsealed
+    assert second is not None
+    superuser_sql("UPDATE ledger_seal SET prev_hash = %s WHERE id = %s", "f" * 64, second.pk)
+    finished = whole_pass()
+    where = f"seal {second.pk} (sequence {second.first_sequence}-{second.last_sequence})"
+    assert said(finished)[0] == (
+        f"seal broken at {where}: expected prev_hash {first.hash}, found {'f' * 64}"
+    )
+    # The seal's own hash covers its prev_hash: it no longer verifies either.
+    assert said(finished)[1].startswith(f"seal broken at {where}: expected hash ")
+    assert finished.break_count == 2
+
+
+@pytest.mark.rewrites_history
+def test_the_breaks_kept_are_the_first_and_all_are_counted(ledger: Api) -> None:
+    # A pass that found more than it keeps still counts every one.
+    running = verify_next_slice(invocations=1)
+    assert running is not None
+    VerificationPass.objects.filter(pk=running.pk).update(
+        breaks=["earlier"] * VerificationPass.BREAKS_KEPT,
+        break_count=VerificationPass.BREAKS_KEPT,
+    )
+    superuser_sql("UPDATE ledger_invocation SET status = 'failed' WHERE invocation_id = 'inv-3'")
+    finished = whole_pass()
+    assert finished.break_count == VerificationPass.BREAKS_KEPT + 1
+    assert finished.breaks == ["earlier"] * VerificationPass.BREAKS_KEPT
+
+
+def test_old_clean_passes_are_forgotten_and_passes_that_found_breaks_are_kept(
+    ledger: Api,
+) -> None:
+    found = whole_pass()
+    VerificationPass.objects.filter(pk=found.pk).update(break_count=1, breaks=["kept"])
+    for _ in range(CLEAN_PASSES_KEPT + 2):
+        whole_pass(slice_size=10)
+    clean = VerificationPass.objects.filter(break_count=0)
+    assert clean.count() == CLEAN_PASSES_KEPT
+    assert VerificationPass.objects.filter(pk=found.pk).exists()
+    newest = VerificationPass.objects.order_by("-started_at").first()
+    assert newest is not None and newest.finished_at is not None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_while_another_holds_the_lock_does_nothing(ledger: Api) -> None:
+    params = connection.get_connection_params()
+    with psycopg.connect(**params, autocommit=False) as other:
+        other.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.verify_next_slice'))")
+        assert verify_next_slice(invocations=10) is None
+        assert not VerificationPass.objects.exists()
+    assert verify_next_slice(invocations=10) is not None
+
+
+@pytest.mark.rewrites_history
+def test_the_verify_page_shows_what_the_background_passes_found(ledger: Api) -> None:
+    compliance = person("carol", "compliance")
+    assert "No whole pass yet." in compliance.get("/audit/verify/").content.decode()
+    superuser_sql("UPDATE ledger_invocation SET status = 'failed' WHERE invocation_id = 'inv-2'")
+    whole_pass()
+    assert verify_next_slice(invocations=1) is not None  # the next pass, clean so far
+
+    page = compliance.get("/audit/verify/").content.decode()
+
+    card = page.split('id="background-verification"')[1].split("</section>")[0]
+    assert "4 invocations, 10 events and 1 seal,\n      1 break found:" in card
+    assert (
+        "<li><code>projection broken at invocation inv-2 status: expected &#x27;succeeded&#x27;, "
+        'found &#x27;failed&#x27;</code> <a href="/invocations/inv-2/">its page</a></li>'
+    ) in card
+    assert "Running for under a minute: 1 invocation checked so far." in card
