@@ -33,14 +33,19 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name} must be a boolean (true/false), not {raw!r}")
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int, *, minimum: int = 0) -> int:
+    """An integer of at least `minimum`: a zero slice or interval would do nothing, or
+    spin, without a word."""
     raw = os.environ.get(name)
     if raw is None:
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be an integer, not {raw!r}") from None
+    if value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, not {value}")
+    return value
 
 
 def env_rate(name: str, default: str) -> str:
@@ -192,9 +197,9 @@ def database_from_url(url: str) -> dict[str, object]:
     if env_bool("DATABASE_POOL", True):
         options["pool"] = {
             "min_size": env_int("DATABASE_POOL_MIN", 2),
-            "max_size": env_int("DATABASE_POOL_MAX", 16),
+            "max_size": env_int("DATABASE_POOL_MAX", 16, minimum=1),
             # How long a request waits for a connection before answering 503.
-            "timeout": env_int("DATABASE_POOL_TIMEOUT", 5),
+            "timeout": env_int("DATABASE_POOL_TIMEOUT", 5, minimum=1),
         }
     return {
         # Django's PostgreSQL backend, lending no pooled connection PostgreSQL dropped.
@@ -288,18 +293,18 @@ SPECTACULAR_SETTINGS = {
 }
 
 # Limits (each refused with a typed 400/413 that names the field).
-LEDGER_MAX_BODY_BYTES = env_int("LEDGER_MAX_BODY_BYTES", 256 * 1024)
-LEDGER_MAX_BATCH_BODY_BYTES = env_int("LEDGER_MAX_BATCH_BODY_BYTES", 16 * 1024 * 1024)
+LEDGER_MAX_BODY_BYTES = env_int("LEDGER_MAX_BODY_BYTES", 256 * 1024, minimum=1)
+LEDGER_MAX_BATCH_BODY_BYTES = env_int("LEDGER_MAX_BATCH_BODY_BYTES", 16 * 1024 * 1024, minimum=1)
 LEDGER_MAX_BATCH_ITEMS = 1000
-LEDGER_MAX_JSON_DEPTH = env_int("LEDGER_MAX_JSON_DEPTH", 32)
+LEDGER_MAX_JSON_DEPTH = env_int("LEDGER_MAX_JSON_DEPTH", 32, minimum=1)
 # Django refuses bodies above this before the API sees them; the API's own limits
 # are lower and typed.
 DATA_UPLOAD_MAX_MEMORY_SIZE = LEDGER_MAX_BATCH_BODY_BYTES + 1024
 
 # Deadlines: an attempt with no outcome after timeout_ms + grace is flagged.
-LEDGER_DEFAULT_TIMEOUT_MS = env_int("LEDGER_DEFAULT_TIMEOUT_MS", 30_000)
+LEDGER_DEFAULT_TIMEOUT_MS = env_int("LEDGER_DEFAULT_TIMEOUT_MS", 30_000, minimum=1)
 LEDGER_DEFAULT_GRACE_MS = env_int("LEDGER_DEFAULT_GRACE_MS", 60_000)
-LEDGER_DEFAULT_MAX_ATTEMPTS = env_int("LEDGER_DEFAULT_MAX_ATTEMPTS", 5)
+LEDGER_DEFAULT_MAX_ATTEMPTS = env_int("LEDGER_DEFAULT_MAX_ATTEMPTS", 5, minimum=1)
 
 # Celery: a real broker always. Embedded default is Kombu's filesystem transport,
 # which delivers between processes on one machine with nothing to install (the host
@@ -320,9 +325,9 @@ CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
 # Reconciliation: probe leases, retries with exponential backoff, then a person.
-LEDGER_SWEEP_INTERVAL_SECONDS = env_int("LEDGER_SWEEP_INTERVAL_SECONDS", 5)
-LEDGER_PROBE_LEASE_SECONDS = env_int("LEDGER_PROBE_LEASE_SECONDS", 60)
-LEDGER_PROBE_MAX_TRIES = env_int("LEDGER_PROBE_MAX_TRIES", 5)
+LEDGER_SWEEP_INTERVAL_SECONDS = env_int("LEDGER_SWEEP_INTERVAL_SECONDS", 5, minimum=1)
+LEDGER_PROBE_LEASE_SECONDS = env_int("LEDGER_PROBE_LEASE_SECONDS", 60, minimum=1)
+LEDGER_PROBE_MAX_TRIES = env_int("LEDGER_PROBE_MAX_TRIES", 5, minimum=1)
 LEDGER_PROBE_BACKOFF_SECONDS = env_int("LEDGER_PROBE_BACKOFF_SECONDS", 5)
 # Probe header secrets, by name: LEDGER_PROBE_SECRET_PAYMENTS=… → {secret:PAYMENTS}.
 LEDGER_PROBE_SECRETS = {
@@ -332,15 +337,15 @@ LEDGER_PROBE_SECRETS = {
 }
 # Python probes that may be named in a capability's probe configuration.
 LEDGER_PYTHON_PROBES = [p for p in os.environ.get("LEDGER_PYTHON_PROBES", "").split(",") if p]
-LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60)
+LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60, minimum=1)
 # Background verification: every interval, the running pass checks this many more
 # invocations (every event of each) and the seals that follow; a pass covers the whole
 # ledger as it was when it started, then the next one starts.
-LEDGER_VERIFY_INTERVAL_SECONDS = env_int("LEDGER_VERIFY_INTERVAL_SECONDS", 60)
-LEDGER_VERIFY_SLICE = env_int("LEDGER_VERIFY_SLICE", 2000)
+LEDGER_VERIFY_INTERVAL_SECONDS = env_int("LEDGER_VERIFY_INTERVAL_SECONDS", 60, minimum=1)
+LEDGER_VERIFY_SLICE = env_int("LEDGER_VERIFY_SLICE", 2000, minimum=1)
 # The console's Verify page checks at most this many events in one request (about 20 s
 # at the ~10,000 events/s measured); `manage.py verify_ledger` has no limit.
-LEDGER_VERIFY_PAGE_MAX_EVENTS = env_int("LEDGER_VERIFY_PAGE_MAX_EVENTS", 200_000)
+LEDGER_VERIFY_PAGE_MAX_EVENTS = env_int("LEDGER_VERIFY_PAGE_MAX_EVENTS", 200_000, minimum=1)
 # Empty: /metrics is open, like /healthz (aggregate counts, no ids or subjects).
 LEDGER_METRICS_TOKEN = os.environ.get("LEDGER_METRICS_TOKEN", "")
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {

@@ -1,0 +1,43 @@
+"""Settings from the environment: a value that could not work stops the ledger from
+starting, and says which and why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def check(**env: str) -> subprocess.CompletedProcess[str]:
+    """`manage.py check`, as every process of the ledger starts, with `env` set."""
+    return subprocess.run(
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "said"),
+    [
+        # A slice of nothing would finish every pass having verified nothing.
+        ("LEDGER_VERIFY_SLICE", "0", "LEDGER_VERIFY_SLICE must be at least 1, not 0"),
+        ("LEDGER_SWEEP_INTERVAL_SECONDS", "-5", "must be at least 1, not -5"),
+        ("LEDGER_PROBE_BACKOFF_SECONDS", "-1", "must be at least 0, not -1"),
+        ("LEDGER_VERIFY_INTERVAL_SECONDS", "soon", "must be an integer, not 'soon'"),
+    ],
+)
+def test_a_setting_that_could_not_work_stops_the_ledger_from_starting(
+    name: str, value: str, said: str
+) -> None:
+    refused = check(**{name: value})
+    assert refused.returncode != 0
+    assert f"ImproperlyConfigured: {name} " in refused.stderr and said in refused.stderr
+
+
+def test_the_smallest_working_values_start_it() -> None:
+    started = check(LEDGER_VERIFY_SLICE="1", LEDGER_PROBE_BACKOFF_SECONDS="0")
+    assert (started.returncode, started.stderr) == (0, "")
