@@ -183,3 +183,15 @@ def test_the_verify_page_shows_what_the_background_passes_found(ledger: Api) -> 
         'found &#x27;failed&#x27;</code> <a href="/invocations/inv-2/">its page</a></li>'
     ) in card
     assert "Running for under a minute: 1 invocation checked so far." in card
+
+
+def test_the_pages_list_the_first_ten_breaks_and_count_the_rest(ledger: Api) -> None:
+    finished = whole_pass(slice_size=10)
+    breaks = [{"break": f"seal broken at seal {n}", "invocation_id": None} for n in range(12)]
+    VerificationPass.objects.filter(pk=finished.pk).update(breaks=breaks, break_count=12)
+
+    compliance = person("carol", "compliance")
+    for page in ("/audit/verify/", "/dashboard/"):
+        shown = compliance.get(page).content.decode()
+        assert shown.count("<li><code>seal broken at seal") == 10, page
+        assert "and 2 more: the <a" in shown, page
