@@ -19,6 +19,7 @@ from django.utils import timezone
 from ledger import chain, policy
 from ledger.models import (
     RECORDED_AT_INTENT,
+    AdminAction,
     Event,
     Invocation,
     Runtime,
@@ -114,6 +115,7 @@ class Report:
     events: int = 0
     seals: int = 0
     projections: int = 0
+    admin_actions: int = 0
     breaks: list[Break] = field(default_factory=list)
     # The newest seal verified: its hash, compared with the one the sealer logged
     # (ledger.tasks), shows whether the database's seal chain is the one it made.
@@ -309,6 +311,12 @@ def verify(
     previous = Seal.objects.filter(first_sequence__lt=seals.values("first_sequence")[:1])
     prev_hash = previous.order_by("-first_sequence").values_list("hash", flat=True).first()
     _check_seals(report, seals, prev_hash)
+    actions = AdminAction.objects.filter(window).order_by("id")
+    first = actions.values_list("id", flat=True).first()
+    if first is not None:
+        before = AdminAction.objects.filter(id__lt=first).order_by("-id")
+        prev_hash = before.values_list("hash", flat=True).first() or chain.GENESIS_HASH
+        _check_admin_actions(report, actions.iterator(), prev_hash)
     return report
 
 
@@ -367,11 +375,30 @@ def _check_seals(report: Report, seals: Iterable[Seal], prev_hash: str | None) -
         report.newest_seal = seal
 
 
+def _check_admin_actions(report: Report, actions: Iterable[AdminAction], prev_hash: str) -> None:
+    """Check each action of the action log's chain into the report, the first against
+    `prev_hash`: a row rewritten breaks its hash, a row taken out the next one's link."""
+    for action in actions:
+        report.admin_actions += 1
+        where = f"admin action {action.pk}"
+        if action.prev_hash != prev_hash:
+            report.breaks.append(
+                Break("action", where, f"prev_hash {prev_hash}", f"prev_hash {action.prev_hash}")
+            )
+        computed = chain.event_hash(action.prev_hash, action.body())
+        if computed != action.hash:
+            report.breaks.append(Break("action", where, f"hash {computed}", f"hash {action.hash}"))
+        prev_hash = action.hash
+
+
 # Background verification ----------------------------------------------------------
 
 # Seals are read a page at a time and checked up to SEAL_BATCH events a slice (at
 # least one seal, however large): a seal's check reads every event it sealed.
 SEALS_READ = 1000
+# The action log is checked this many rows a slice (they are few: tokens issued and
+# revoked).
+ADMIN_ACTIONS_READ = 10_000
 # Passes that found nothing are kept this many; those that found a break, all.
 CLEAN_PASSES_KEPT = 100
 
@@ -381,8 +408,9 @@ def verify_next_slice(
     *, invocations: int, now: dt.datetime | None = None
 ) -> VerificationPass | None:
     """Verify the running pass's next `invocations` invocations (chains, replays and
-    rows) and its next seals, starting a pass if none runs; None when another run
-    holds the lock. The pass is finished when it has reached the ends it started with.
+    rows), its next seals and its next rows of the action log, starting a pass if
+    none runs; None when another run holds the lock. The pass is finished when it has
+    reached the ends it started with.
     """
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_try_advisory_xact_lock(hashtext('ledger.verify_next_slice'))")
@@ -414,9 +442,21 @@ def verify_next_slice(
         _check_seals(report, seals, running.after_seal_hash)
         running.after_seal, running.after_seal_hash = seals[-1].first_sequence, seals[-1].hash
 
+    actions = list(
+        AdminAction.objects.filter(
+            id__gt=running.after_admin_action, id__lte=running.until_admin_action
+        ).order_by("id")[:ADMIN_ACTIONS_READ]
+    )
+    if actions:
+        _check_admin_actions(report, actions, running.after_admin_action_hash)
+        running.after_admin_action = actions[-1].pk
+        running.after_admin_action_hash = actions[-1].hash
+    more_actions = len(actions) == ADMIN_ACTIONS_READ
+
     running.invocations += report.invocations
     running.events += report.events
     running.seals += report.seals
+    running.admin_actions += report.admin_actions
     running.break_count += len(report.breaks)
     room = VerificationPass.BREAKS_KEPT - len(running.breaks)
     running.breaks += [
@@ -425,18 +465,20 @@ def verify_next_slice(
     ]
     running.checked_at = now
     reached_the_end = running.after_invocation >= running.until_invocation
-    if (reached_the_end or len(ids) < invocations) and not more_seals:
+    if (reached_the_end or len(ids) < invocations) and not (more_seals or more_actions):
         running.finished_at = now
     running.save()
     for broken in report.breaks:
         log.error("verification pass=%d %s", running.pk, broken)
     if running.finished_at:
         log.info(
-            "verification pass=%d finished invocations=%d events=%d seals=%d breaks=%d",
+            "verification pass=%d finished invocations=%d events=%d seals=%d "
+            "admin_actions=%d breaks=%d",
             running.pk,
             running.invocations,
             running.events,
             running.seals,
+            running.admin_actions,
             running.break_count,
         )
     return running
@@ -462,6 +504,7 @@ def _start_pass(now: dt.datetime) -> VerificationPass:
         checked_at=now,
         until_invocation=Invocation.objects.aggregate(at=Max("pk"))["at"] or 0,
         until_seal=newest_seal or 0,
+        until_admin_action=AdminAction.objects.aggregate(at=Max("pk"))["at"] or 0,
     )
 
 

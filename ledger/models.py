@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import hmac
+import logging
 import re
 import secrets
 from collections.abc import Mapping
@@ -10,18 +12,20 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.core.validators import RegexValidator
-from django.db import models, transaction
+from django.db import connection, models, transaction
 from django.db.models import Q
 from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from ledger import policy
-from ledger.chain import GENESIS_HASH
+from ledger.chain import GENESIS_HASH, event_hash
 from ledger.identifiers import IDENTIFIER_HINT, IDENTIFIER_REGEX
 from ledger.probe_config import validate_probe_config
 
 if TYPE_CHECKING:
     from datetime import datetime
+
+log = logging.getLogger(__name__)
 
 # What RuntimeToken.issue makes: secrets.token_hex(6).
 TOKEN_PREFIX = re.compile(r"[0-9a-f]{12}")
@@ -193,7 +197,7 @@ class RuntimeToken(models.Model):
                 revoked_at=timezone.now()
             )
             if revoked:
-                AdminAction.objects.create(
+                AdminAction.record(
                     actor=actor,
                     action="token_revoked",
                     target=f"runtime {self.runtime.name}, token {self.prefix}",
@@ -597,7 +601,7 @@ class SealedEvent(models.Model):
 class VerificationPass(models.Model):
     """One background pass of verify_ledger over the whole ledger, a slice per run of
     beat's task (`ledger.integrity.verify_next_slice`): every chain, its replay through
-    the retry policy and its row, then every seal.
+    the retry policy and its row, every seal and the action log's chain.
 
     A pass covers what existed when it started (up to `until_invocation` and
     `until_seal`); what is recorded later is the next pass's. The first BREAKS_KEPT
@@ -617,9 +621,14 @@ class VerificationPass(models.Model):
     after_invocation = models.BigIntegerField(default=0)
     after_seal = models.BigIntegerField(default=0)
     after_seal_hash = models.CharField(max_length=64, default=GENESIS_HASH)
+    # The action log's chain likewise: up to this row (pk), after this one and its hash.
+    until_admin_action = models.BigIntegerField(default=0)
+    after_admin_action = models.BigIntegerField(default=0)
+    after_admin_action_hash = models.CharField(max_length=64, default=GENESIS_HASH)
     invocations = models.PositiveBigIntegerField(default=0)
     events = models.PositiveBigIntegerField(default=0)
     seals = models.PositiveBigIntegerField(default=0)
+    admin_actions = models.PositiveBigIntegerField(default=0)
     break_count = models.PositiveIntegerField(default=0)
     breaks = models.JSONField(default=list, blank=True)
 
@@ -643,16 +652,55 @@ class VerificationPass(models.Model):
 
 class AdminAction(models.Model):
     """What administrators did outside any invocation: tokens issued and revoked.
-    Append-only, like the evidence (see migration 0011)."""
+
+    Append-only, like the evidence (migration 0012), and hash-chained in one chain in
+    the order recorded: `hash = sha256(prev_hash ‖ canonical(action))`, so a row
+    rewritten or taken out is found by verification (`ledger.integrity`). Written
+    only by `record`.
+    """
 
     actor = models.CharField(max_length=160)
     action = models.CharField(max_length=48)
     target = models.CharField(max_length=200)
     reason = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64)
 
     class Meta:
         indexes = [models.Index(fields=["-created_at"], name="admin_action_recent")]
+        constraints = [
+            # Each row follows one row: the chain cannot fork, whoever writes.
+            models.UniqueConstraint(fields=["prev_hash"], name="admin_action_one_successor"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.actor} {self.action} {self.target}"
+
+    def body(self) -> dict[str, str]:
+        """What its hash covers."""
+        return {
+            "actor": self.actor,
+            "action": self.action,
+            "target": self.target,
+            "reason": self.reason,
+            "created_at": self.created_at.astimezone(dt.UTC).isoformat(),
+        }
+
+    @classmethod
+    def record(cls, *, actor: str, action: str, target: str, reason: str = "") -> AdminAction:
+        """Append an action to the chain; one writer at a time (an advisory lock held
+        to the end of the caller's transaction)."""
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.admin_action'))")
+            last = cls.objects.order_by("-id").values_list("hash", flat=True).first()
+            row = cls(actor=actor, action=action, target=target, reason=reason)
+            row.prev_hash = last or GENESIS_HASH
+            row.hash = event_hash(row.prev_hash, row.body())
+            row.save()
+        # Kept by whatever collects the logs, the newest hash shows whether rows were
+        # taken off the chain's end, which no later link can (as the sealer's log does
+        # for seals).
+        log.info("admin action id=%d action=%s hash=%s", row.pk, row.action, row.hash)
+        return row

@@ -1,16 +1,23 @@
 """Background verification: beat's task checks the whole ledger a slice at a time, and
-each kind of tampering is found by the pass that reaches it, without anyone asking."""
+each kind of tampering is found by the pass that reaches it, without anyone asking.
+The action log is a hash chain too, checked by both verifications."""
 
 from __future__ import annotations
 
+import io
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
+from django.core.management import call_command
 from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+from django.db.utils import ProgrammingError
 
-from ledger.integrity import CLEAN_PASSES_KEPT, seal_events, verify_next_slice
-from ledger.models import Event, Invocation, Seal, VerificationPass
+from ledger.chain import GENESIS_HASH, event_hash
+from ledger.integrity import CLEAN_PASSES_KEPT, seal_events, verify, verify_next_slice
+from ledger.models import AdminAction, Event, Invocation, RuntimeToken, Seal, VerificationPass
 from tests.conftest import Api, person
 from tests.ledger.conftest import superuser_sql
 
@@ -177,7 +184,7 @@ def test_the_verify_page_shows_what_the_background_passes_found(ledger: Api) -> 
     page = compliance.get("/audit/verify/").content.decode()
 
     card = page.split('id="background-verification"')[1].split("</section>")[0]
-    assert "4 invocations, 10 events and 1 seal,\n      1 break found:" in card
+    assert "4 invocations, 10 events, 1 seal and 0 admin actions,\n      1 break found:" in card
     assert (
         "<li><code>projection broken at invocation inv-2 status: expected &#x27;succeeded&#x27;, "
         'found &#x27;failed&#x27;</code> <a href="/invocations/inv-2/">its page</a></li>'
@@ -195,3 +202,90 @@ def test_the_pages_list_the_first_ten_breaks_and_count_the_rest(ledger: Api) -> 
         shown = compliance.get(page).content.decode()
         assert shown.count("<li><code>seal broken at seal") == 10, page
         assert "and 2 more: the <a" in shown, page
+
+
+# The action log ------------------------------------------------------------------
+
+
+def tokens_issued_and_revoked() -> list[AdminAction]:
+    """Three actions, as administrators record them: two tokens issued, one revoked."""
+    for name in ("runtime-x", "runtime-y"):
+        call_command("create_runtime", name, stdout=io.StringIO(), stderr=io.StringIO())
+    RuntimeToken.objects.get(runtime__name="runtime-x").revoke(actor="cli:ada", reason="left")
+    return list(AdminAction.objects.order_by("id"))
+
+
+def test_the_action_log_is_one_chain_in_the_order_recorded(db: None) -> None:
+    actions = tokens_issued_and_revoked()
+    assert [a.action for a in actions] == ["token_issued", "token_issued", "token_revoked"]
+    prev = GENESIS_HASH
+    for action in actions:
+        assert action.prev_hash == prev
+        assert action.hash == event_hash(prev, action.body())
+        prev = action.hash
+    report = verify()
+    assert (report.ok, report.admin_actions) == (True, 3)
+    assert whole_pass().admin_actions == 3
+
+
+@pytest.mark.parametrize(
+    ("tampering", "found"),
+    [
+        (
+            "UPDATE ledger_adminaction SET reason = '' WHERE action = 'token_revoked'",
+            "action broken at admin action {third}: expected hash ",
+        ),
+        (
+            "DELETE FROM ledger_adminaction WHERE id = {second}",
+            "action broken at admin action {third}: expected prev_hash {second_hash}, "
+            "found prev_hash {second_hash_recorded}",
+        ),
+    ],
+)
+def test_an_action_rewritten_or_taken_out_is_found(db: None, tampering: str, found: str) -> None:
+    first, second, third = tokens_issued_and_revoked()
+    superuser_sql(tampering.format(second=second.pk))
+    expected = found.format(
+        third=third.pk, second_hash=first.hash, second_hash_recorded=second.hash
+    )
+    for breaks in ([str(b) for b in verify().breaks], said(whole_pass())):
+        assert len(breaks) == 1 and breaks[0].startswith(expected), breaks
+
+
+@pytest.mark.django_db(transaction=True)
+def test_actions_recorded_at_once_on_many_connections_stay_one_chain() -> None:
+    def record(n: int) -> None:
+        try:
+            AdminAction.record(actor="cli:ada", action="token_issued", target=f"token {n}")
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(record, range(16)))
+    actions = list(AdminAction.objects.order_by("id"))
+    assert len(actions) == 16
+    assert [a.prev_hash for a in actions] == [GENESIS_HASH, *(a.hash for a in actions[:-1])]
+    assert verify().ok
+
+
+@pytest.mark.django_db(transaction=True)
+def test_actions_recorded_before_the_chain_are_chained_by_the_migration() -> None:
+    executor = MigrationExecutor(connection)
+    before, after = [("ledger", "0028_verification_pass")], [("ledger", "0029_admin_action_chain")]
+    executor.migrate(before)
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO ledger_adminaction (actor, action, target, reason, created_at) "
+                "VALUES ('cli:ada', 'token_issued', 'runtime a, token 1', '', now()), "
+                "('cli:ada', 'token_revoked', 'runtime a, token 1', 'left', now())"
+            )
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.migrate(after)
+    first, second = AdminAction.objects.order_by("id")
+    assert (first.prev_hash, second.prev_hash) == (GENESIS_HASH, first.hash)
+    assert second.hash == event_hash(first.hash, second.body())
+    assert verify().ok
+    with pytest.raises(ProgrammingError, match="append-only"):  # the trigger is back on
+        AdminAction.objects.filter(pk=first.pk).update(reason="edited")

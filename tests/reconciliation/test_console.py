@@ -589,7 +589,7 @@ def test_the_dashboard_shows_what_background_verification_found(
     found = card("verification")
     assert (
         '<p class="behind">Last whole pass, finished under a minute ago: 2 invocations, '
-        "2 events and 0 seals,\n      1 break found:</p>"
+        "2 events, 0 seals and 0 admin actions,\n      1 break found:</p>"
     ) in found
     assert (
         "<li><code>projection broken at invocation inv-2 status: expected &#x27;recorded&#x27;, "

@@ -38,7 +38,7 @@ class Command(BaseCommand):
         elif not add_token:
             raise CommandError(f"runtime {name!r} exists; pass --add-token for another token")
         row, token = RuntimeToken.issue(runtime=runtime, label=label)
-        AdminAction.objects.create(
+        AdminAction.record(
             actor=f"cli:{getpass.getuser()}",
             action="token_issued",
             target=f"runtime {runtime.name}, token {row.prefix}",

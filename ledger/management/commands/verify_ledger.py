@@ -16,9 +16,10 @@ def moment(value: str) -> dt.datetime:
 class Command(BaseCommand):
     help = (
         "Recompute every invocation's hash chain and every seal (events and seals created "
-        "in [--since, --until)), replay each chain's recorded states through the retry "
-        "policy, and with --projections compare each invocation row with the state its "
-        "last event recorded. Names every broken link; exit status 1 if any."
+        "in [--since, --until)) and the action log's chain, replay each chain's recorded "
+        "states through the retry policy, and with --projections compare each invocation "
+        "row with the state its last event recorded. Names every broken link; exit status 1 "
+        "if any."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -33,6 +34,7 @@ class Command(BaseCommand):
         summary = (
             f"{report.invocations} invocations, {report.events} events, {report.seals} seals"
             + (f", {report.projections} projections" if projections else "")
+            + f", {report.admin_actions} admin actions"
         )
         if report.projections_broken:
             self.stdout.write(
