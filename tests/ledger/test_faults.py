@@ -16,7 +16,14 @@ from django.db.utils import InternalError, ProgrammingError
 from django.test import Client
 
 from ledger import services
-from ledger.models import Attempt, Capability, Event, Invocation
+from ledger.models import (
+    AdminAction,
+    Attempt,
+    Capability,
+    CapabilityDeclaration,
+    Event,
+    Invocation,
+)
 from reconciliation import views
 from tests.conftest import Api, intent_body
 
@@ -36,6 +43,24 @@ def test_postgres_refuses_to_rewrite_evidence(
         connection.cursor() as cursor,
     ):
         cursor.execute(statement.format(table=table, key=key))
+
+
+@pytest.mark.parametrize("table", ["ledger_adminaction", "ledger_capabilitydeclaration"])
+@pytest.mark.parametrize(
+    "statement", ["UPDATE {table} SET actor = 'cli:eve'", "DELETE FROM {table}"]
+)
+def test_postgres_refuses_to_rewrite_what_administrators_did(
+    refund: Capability, table: str, statement: str
+) -> None:
+    AdminAction.record(actor="cli:ada", action="token_issued", target="runtime a, token 1")
+    CapabilityDeclaration.objects.create(
+        capability=refund, version=1, declaration={}, source="test", actor="cli:ada"
+    )
+    with (
+        pytest.raises((InternalError, ProgrammingError), match="append-only"),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute(statement.format(table=table))
 
 
 def admin_conninfo() -> str:

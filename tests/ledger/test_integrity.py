@@ -9,6 +9,7 @@ import json
 
 import pytest
 from django.contrib.auth.models import Group, User
+from django.core.cache import cache
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import IntegrityError, connection, transaction
@@ -18,8 +19,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from ledger import chain, services
-from ledger.integrity import merkle_root, seal_events, verify
+from ledger.integrity import merkle_root, seal_events, verify, verify_next_slice
 from ledger.models import (
+    AdminAction,
     Attempt,
     Event,
     Invocation,
@@ -29,7 +31,8 @@ from ledger.models import (
     SealedEvent,
 )
 from reconciliation import services as reconciliation_services
-from tests.conftest import Api, intent_body, person
+from reconciliation.sweeper import forget_spent_probe_jobs, sweep
+from tests.conftest import ROOT, Api, intent_body, person
 from tests.ledger.conftest import superuser_sql
 
 
@@ -575,26 +578,52 @@ def test_merkle_roots_commit_to_order_and_content() -> None:
     assert merkle_root(leaves[:1]) == leaves[0]
 
 
-def test_the_application_role_cannot_rewrite_evidence(ledger: Api) -> None:
-    """The recommended role (README) holds SELECT and INSERT only on evidence."""
+def readme_role_statements(role: str) -> list[str]:
+    """The README's statements that make the application's role, made for `role`."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Database roles")[1].split("```sql\n")[1].split("```")[0]
+    block = block.replace("ledger_app", role).replace("LOGIN PASSWORD '…'", "NOLOGIN")
+    return [statement.strip() for statement in block.split(";") if statement.strip()]
+
+
+def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidence(
+    ledger: Api,
+) -> None:
+    """Every kind of write the web processes and workers make, as the role the README
+    tells a deployment to run them as; and what that role must never do."""
     with connection.cursor() as cursor:
-        cursor.execute("CREATE ROLE ledger_app_test NOLOGIN")
-        cursor.execute(
-            "GRANT SELECT, INSERT ON ledger_event, ledger_seal, ledger_sealedevent "
-            "TO ledger_app_test"
-        )
+        for statement in readme_role_statements("ledger_app_test"):
+            cursor.execute(statement)
+        # Undone with the test's transaction, whatever happens in it.
         cursor.execute("SET ROLE ledger_app_test")
-        try:
-            for statement in (
-                "UPDATE ledger_event SET kind = kind",
-                "DELETE FROM ledger_seal",
-            ):
-                cursor.execute("SAVEPOINT attempt")
-                with pytest.raises(ProgrammingError, match="permission denied"):
-                    cursor.execute(statement)
-                cursor.execute("ROLLBACK TO SAVEPOINT attempt")
-        finally:
-            cursor.execute("RESET ROLE")
+        ledger.intent(invocation_id="inv-9", idempotency_key="k-9", attempt_id="a1")
+        ledger.outcome("inv-9", "a1", kind="post_dispatch_evidence_failed")
+        ledger.intent(invocation_id="inv-10", idempotency_key="k-10", attempt_id="a1")
+        Invocation.objects.filter(invocation_id="inv-10").update(deadline_at=timezone.now())
+        assert sweep() == 1
+        forget_spent_probe_jobs()  # a DELETE
+        assert seal_events() is not None
+        for _ in range(2):  # the second pass forgets old clean ones: a DELETE
+            assert verify_next_slice(invocations=100) is not None
+        AdminAction.record(actor="cli:ada", action="token_issued", target="runtime a")
+        cache.set("role-check", 1)
+        cache.delete("role-check")
+        operator = person("olga", "operator")
+        assert operator.get("/").status_code == 200
+        operator.logout()  # its session row is deleted
+        for statement in (
+            "UPDATE ledger_event SET kind = kind",
+            "DELETE FROM ledger_seal",
+            "UPDATE ledger_adminaction SET actor = actor",
+            "DELETE FROM ledger_capabilitydeclaration",
+            "DELETE FROM ledger_invocation",
+            "TRUNCATE ledger_event",
+        ):
+            cursor.execute("SAVEPOINT attempt")
+            with pytest.raises(ProgrammingError, match="permission denied"):
+                cursor.execute(statement)
+            cursor.execute("ROLLBACK TO SAVEPOINT attempt")
+        cursor.execute("RESET ROLE")
 
 
 def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
