@@ -699,8 +699,12 @@ class AdminAction(models.Model):
             row.prev_hash = last or GENESIS_HASH
             row.hash = event_hash(row.prev_hash, row.body())
             row.save()
-        # Kept by whatever collects the logs, the newest hash shows whether rows were
-        # taken off the chain's end, which no later link can (as the sealer's log does
-        # for seals).
-        log.info("admin action id=%d action=%s hash=%s", row.pk, row.action, row.hash)
+            # Kept by whatever collects the logs, the newest hash shows whether rows
+            # were taken off the chain's end, which no later link can (as the sealer's
+            # log does for seals): so only once the row is there to be anchored.
+            transaction.on_commit(
+                lambda: log.info(
+                    "admin action id=%d action=%s hash=%s", row.pk, row.action, row.hash
+                )
+            )
         return row

@@ -7,11 +7,12 @@ from __future__ import annotations
 import io
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import psycopg
 import pytest
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.db.migrations.executor import MigrationExecutor
 from django.db.utils import ProgrammingError
 
@@ -289,3 +290,17 @@ def test_actions_recorded_before_the_chain_are_chained_by_the_migration() -> Non
     assert verify().ok
     with pytest.raises(ProgrammingError, match="append-only"):  # the trigger is back on
         AdminAction.objects.filter(pk=first.pk).update(reason="edited")
+
+
+def test_an_actions_hash_is_logged_once_it_is_committed_and_never_if_not(
+    db: None, caplog: pytest.LogCaptureFixture, django_capture_on_commit_callbacks: Any
+) -> None:
+    with caplog.at_level(logging.INFO, logger="ledger.models"):
+        with pytest.raises(RuntimeError), transaction.atomic():
+            AdminAction.record(actor="cli:ada", action="token_issued", target="token 1")
+            raise RuntimeError("the command failed after recording it")
+        with django_capture_on_commit_callbacks(execute=True):
+            kept = AdminAction.record(actor="cli:ada", action="token_issued", target="token 2")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"admin action id={kept.pk} action=token_issued hash={kept.hash}"
+    ]
