@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -10,7 +12,7 @@ from django.db.utils import ProgrammingError
 from django.test import Client
 
 from ledger.models import AdminAction, Capability, Invocation, Runtime, RuntimeToken
-from tests.conftest import Api, intent_body
+from tests.conftest import ROOT, Api, intent_body, process_env
 
 
 @pytest.mark.parametrize(
@@ -88,6 +90,21 @@ def test_create_runtime_prints_a_working_token_on_its_last_line(
     token = capsys.readouterr().out.strip().splitlines()[-1]
     assert Runtime.objects.filter(name="billing-agent").exists()
     assert Api(Client(), token).intent()[0] == 201
+
+
+def test_create_runtime_leaves_the_token_alone_on_a_terminals_last_line(
+    transactional_db: None,
+) -> None:
+    """What a terminal shows: its messages and the log line of the action it records
+    (standard error) and the token (standard output), each written as it comes."""
+    shown = subprocess.run(
+        [sys.executable, "manage.py", "create_runtime", "terminal-agent"],
+        cwd=ROOT, env={**process_env(), "LOG_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60,
+    )  # fmt: skip
+    *before, last = shown.stdout.strip().splitlines()
+    assert any("admin action id=" in line for line in before), shown.stdout
+    assert Api(Client(), last).intent()[0] == 201
 
 
 def test_create_runtime_refuses_a_duplicate_name_without_add_token(db: None) -> None:
