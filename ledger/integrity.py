@@ -94,7 +94,7 @@ def seal_events(*, now: dt.datetime | None = None) -> Seal | None:
 
 @dataclass
 class Break:
-    what: str  # "chain", "transition", "seal" or "projection"
+    what: str  # "chain", "transition", "seal", "projection" or "action" (the action log)
     where: str
     expected: str
     found: str

@@ -603,8 +603,8 @@ class VerificationPass(models.Model):
     beat's task (`ledger.integrity.verify_next_slice`): every chain, its replay through
     the retry policy and its row, every seal and the action log's chain.
 
-    A pass covers what existed when it started (up to `until_invocation` and
-    `until_seal`); what is recorded later is the next pass's. The first BREAKS_KEPT
+    A pass covers what existed when it started (up to `until_invocation`, `until_seal`
+    and `until_admin_action`); what is recorded later is the next pass's. The first BREAKS_KEPT
     breaks are kept, each as verify_ledger prints it (`break`) with the invocation it
     is in (`invocation_id`, null for a seal's).
     """
