@@ -301,8 +301,9 @@ def verify(
     projections: bool = False,
 ) -> Report:
     """Recompute every chain with events in the range, replay its recorded states
-    through the retry policy, check every seal in the range and (optionally) every
-    projection; collect each break, first per invocation."""
+    through the retry policy, check every seal and every action of the action log in
+    the range and (optionally) every projection; collect each break, first per
+    invocation."""
     report = Report()
     window = time_window(since, until)
     touched = Event.objects.filter(window).values("invocation_id").distinct()
