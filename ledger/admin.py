@@ -10,24 +10,18 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 
 from ledger import acc
-from ledger.capabilities import capabilities_import
-from ledger.forms import CapabilityImportForm
+from ledger.capabilities import (
+    DECLARED_FIELDS,
+    SETTINGS,
+    capabilities_import,
+    capability_settings_change,
+)
+from ledger.forms import CapabilityImportForm, CapabilitySettingsForm
 from ledger.models import Capability, CapabilityDeclaration, Runtime, RuntimeToken
 
 # What ACC declares is read-only here: it changes only by importing or posting a
 # new declaration, which keeps the old one as history.
-ACC_FIELDS = (
-    "scope",
-    "version",
-    "enabled",
-    "readonly",
-    "idempotent",
-    "risk_level",
-    "subject_required",
-    "audit_sensitive",
-    "timeout_ms",
-    "declaration",
-)
+ACC_FIELDS = ("scope", "version", *DECLARED_FIELDS, "declaration")
 
 
 class DeclarationInline(admin.TabularInline):
@@ -56,20 +50,10 @@ class CapabilityAdmin(admin.ModelAdmin):
     list_filter = ("enabled", "risk_level", "readonly", "idempotency_verified")
     search_fields = ("scope",)
     readonly_fields = ACC_FIELDS
+    form = CapabilitySettingsForm
     fieldsets = (
         ("ACC declaration (read-only)", {"fields": ACC_FIELDS}),
-        (
-            "Ledger settings",
-            {
-                "fields": (
-                    "idempotency_verified",
-                    "max_attempts",
-                    "grace_ms",
-                    "redact_paths",
-                    "probe",
-                )
-            },
-        ),
+        ("Ledger settings", {"fields": (*SETTINGS, "reason")}),
     )
     inlines = [DeclarationInline]
     change_list_template = "admin/ledger/capability/change_list.html"
@@ -79,6 +63,18 @@ class CapabilityAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    def save_model(
+        self, request: HttpRequest, obj: Capability, form: CapabilitySettingsForm, change: bool
+    ) -> None:
+        # Through the registry, which records the change and its reason in the action
+        # log (inside the admin's transaction).
+        capability_settings_change(
+            scope=obj.scope,
+            actor=f"user:{request.user.get_username()}",
+            reason=form.cleaned_data["reason"],
+            **{name: form.cleaned_data[name] for name in SETTINGS},
+        )
 
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view(self.import_view)

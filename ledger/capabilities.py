@@ -9,7 +9,26 @@ from typing import Any
 from django.db import transaction
 
 from ledger import acc
-from ledger.models import Capability, CapabilityDeclaration
+from ledger.chain import digest
+from ledger.models import AdminAction, Capability, CapabilityDeclaration
+
+# The action log's records of the registry (ledger.integrity checks every capability
+# against them).
+DECLARATION_REGISTERED = "declaration_registered"
+SETTINGS_CHANGED = "capability_settings_changed"
+
+# What ACC declares, derived by the registry from a declaration, and what the ledger
+# adds, set by administrators (DESIGN section 3).
+DECLARED_FIELDS = (
+    "enabled",
+    "readonly",
+    "idempotent",
+    "risk_level",
+    "subject_required",
+    "audit_sensitive",
+    "timeout_ms",
+)
+SETTINGS = ("idempotency_verified", "max_attempts", "grace_ms", "redact_paths", "probe")
 
 
 class Registered(StrEnum):
@@ -55,7 +74,78 @@ def capability_register(*, declaration: acc.Declaration, source: str, actor: str
         source=source,
         actor=actor,
     )
+    AdminAction.record(
+        actor=actor,
+        action=DECLARATION_REGISTERED,
+        target=capability.scope,
+        details=registration_details(capability, source=source),
+    )
     return Registration(capability, outcome)
+
+
+def registration_details(capability: Capability, *, source: str) -> dict[str, Any]:
+    """What the action log keeps of a registration: the version, the declaration's
+    digest and the fields the registry derived from it (the risk default depends on the
+    operation's method, which the declaration does not hold)."""
+    return {
+        "version": capability.version,
+        "source": source,
+        "digest": digest(capability.declaration),
+        "fields": declared_fields_of(capability),
+    }
+
+
+def declared_fields_of(capability: Capability) -> dict[str, Any]:
+    return {name: getattr(capability, name) for name in DECLARED_FIELDS}
+
+
+def settings_of(capability: Capability) -> dict[str, Any]:
+    return {name: getattr(capability, name) for name in SETTINGS}
+
+
+# What a capability's settings are before anyone changes them.
+DEFAULT_SETTINGS = settings_of(Capability())
+
+
+class ReasonRequired(ValueError):
+    """A capability's settings change the retry decision, redaction or reconciliation
+    of every later invocation: whoever changes them says why."""
+
+
+@transaction.atomic
+def capability_settings_change(
+    *, scope: str, actor: str, reason: str, **settings: Any
+) -> dict[str, dict[str, Any]]:
+    """Change some of a capability's ledger settings (SETTINGS) and record the change
+    in the action log with the settings it leaves; returns what changed, each setting
+    `from` and `to` (empty, and nothing written, when nothing did)."""
+    unknown = settings.keys() - set(SETTINGS)
+    if unknown:
+        raise TypeError(f"not ledger settings: {', '.join(sorted(unknown))}")
+    capability = Capability.objects.select_for_update().get(scope=scope)
+    before = settings_of(capability)
+    for name, value in settings.items():
+        setattr(capability, name, value)
+    capability.full_clean(exclude=[*DECLARED_FIELDS, "scope", "declaration", "version"])
+    after = settings_of(capability)
+    changed = {
+        name: {"from": before[name], "to": after[name]}
+        for name in SETTINGS
+        if before[name] != after[name]
+    }
+    if not changed:
+        return {}
+    if not reason.strip():
+        raise ReasonRequired("say why the settings change: the reason is kept with it")
+    capability.save(update_fields=[*changed, "updated_at"])
+    AdminAction.record(
+        actor=actor,
+        action=SETTINGS_CHANGED,
+        target=scope,
+        reason=reason,
+        details={"changed": changed, "settings": after},
+    )
+    return changed
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,12 @@ from django.db import connection, transaction
 from django.db.models import Max, Min, Q, QuerySet
 from django.utils import timezone
 
-from ledger import chain, policy
+from ledger import capabilities, chain, policy
 from ledger.models import (
     RECORDED_AT_INTENT,
     AdminAction,
+    Capability,
+    CapabilityDeclaration,
     Event,
     Invocation,
     Runtime,
@@ -94,7 +96,9 @@ def seal_events(*, now: dt.datetime | None = None) -> Seal | None:
 
 @dataclass
 class Break:
-    what: str  # "chain", "transition", "seal", "projection" or "action" (the action log)
+    # "chain", "transition", "seal", "projection", "action" (the action log) or
+    # "capability" (a capability or a declaration against the action log)
+    what: str
     where: str
     expected: str
     found: str
@@ -116,6 +120,7 @@ class Report:
     seals: int = 0
     projections: int = 0
     admin_actions: int = 0
+    capabilities: int = 0
     breaks: list[Break] = field(default_factory=list)
     # The newest seal verified: its hash, compared with the one the sealer logged
     # (ledger.tasks), shows whether the database's seal chain is the one it made.
@@ -134,6 +139,11 @@ class Report:
     def projections_broken(self) -> bool:
         """Some row disagrees with its events (restore_projection puts it back)."""
         return any(broken.what == "projection" for broken in self.breaks)
+
+    @property
+    def capabilities_unrecorded(self) -> bool:
+        """Some capability or declaration is not what the action log recorded."""
+        return any(broken.what == "capability" for broken in self.breaks)
 
 
 def _link_breaks(invocation_id: str, events: list[Event]) -> Iterator[Break]:
@@ -302,8 +312,8 @@ def verify(
 ) -> Report:
     """Recompute every chain with events in the range, replay its recorded states
     through the retry policy, check every seal and every action of the action log in
-    the range and (optionally) every projection; collect each break, first per
-    invocation."""
+    the range, every capability against the action log and (optionally) every
+    projection; collect each break, first per invocation."""
     report = Report()
     window = time_window(since, until)
     touched = Event.objects.filter(window).values("invocation_id").distinct()
@@ -318,6 +328,7 @@ def verify(
         before = AdminAction.objects.filter(id__lt=first).order_by("-id")
         prev_hash = before.values_list("hash", flat=True).first() or chain.GENESIS_HASH
         _check_admin_actions(report, actions.iterator(), prev_hash)
+    _check_capabilities(report)
     return report
 
 
@@ -392,6 +403,82 @@ def _check_admin_actions(report: Report, actions: Iterable[AdminAction], prev_ha
         prev_hash = action.hash
 
 
+CAPABILITY_ADVICE = (
+    "A capability or a declaration that differs from the action log was changed outside "
+    "the registry, which records every registration and settings change there. Find out "
+    "who changed it; then register the declaration again (import or the API) and set the "
+    "settings again in the admin, with a reason, so that the log records them."
+)
+
+
+UNDECLARED_FIELDS = capabilities.declared_fields_of(Capability())
+
+
+def _check_capabilities(report: Report) -> None:
+    """Check every declaration, and every capability row, against what the action log
+    recorded of the registry (ledger.capabilities): the declarations' digests, the
+    fields derived from the newest one, and the settings the last change left (the
+    defaults when none). The log's own chain is _check_admin_actions'."""
+    registrations: dict[tuple[str, Any], AdminAction] = {}
+    newest: dict[str, AdminAction] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    recorded = AdminAction.objects.filter(
+        action__in=(capabilities.DECLARATION_REGISTERED, capabilities.SETTINGS_CHANGED)
+    )
+    for action in recorded.order_by("id").iterator():
+        if action.action == capabilities.SETTINGS_CHANGED:
+            settings[action.target] = action.details.get("settings")
+            continue
+        registrations[(action.target, action.details.get("version"))] = action
+        newest[action.target] = action  # versions are registered in order
+    declarations = CapabilityDeclaration.objects.select_related("capability")
+    for declaration in declarations.order_by("capability__scope", "version").iterator():
+        scope = declaration.capability.scope
+        where = f"capability {scope} declaration v{declaration.version}"
+        registered = registrations.pop((scope, declaration.version), None)
+        expected = registered.details.get("digest") if registered else None
+        found = chain.digest(declaration.declaration)
+        if expected != found:
+            report.breaks.append(
+                Break("capability", where, f"digest {expected or 'of none registered'}", found)
+            )
+    for scope, version in registrations:
+        where = f"capability {scope} declaration v{version}"
+        report.breaks.append(Break("capability", where, "the declaration registered", "none"))
+
+    for capability in Capability.objects.order_by("scope").iterator():
+        report.capabilities += 1
+        registration = newest.get(capability.scope)
+        recorded_row: dict[str, Any] = (
+            {
+                "version": registration.details.get("version"),
+                "declaration": registration.details.get("digest"),
+                **registration.details.get("fields", {}),
+            }
+            if registration
+            # No declaration registered: only the registry makes capabilities, so a
+            # row it did not make is one with nothing to govern by.
+            else {"version": 0, "declaration": chain.digest({}), **UNDECLARED_FIELDS}
+        )
+        recorded_row.update(settings.get(capability.scope, capabilities.DEFAULT_SETTINGS))
+        row = {
+            "version": capability.version,
+            "declaration": chain.digest(capability.declaration),
+            **capabilities.declared_fields_of(capability),
+            **capabilities.settings_of(capability),
+        }
+        differing = sorted(name for name in recorded_row if recorded_row[name] != row[name])
+        if differing:
+            report.breaks.append(
+                Break(
+                    "capability",
+                    f"capability {capability.scope}",
+                    ", ".join(f"{name} {json.dumps(recorded_row[name])}" for name in differing),
+                    ", ".join(f"{name} {json.dumps(row[name])}" for name in differing),
+                )
+            )
+
+
 # Background verification ----------------------------------------------------------
 
 # Seals are read a page at a time and checked up to SEAL_BATCH events a slice (at
@@ -418,8 +505,12 @@ def verify_next_slice(
         if not cursor.fetchone()[0]:
             return None
     now = now or timezone.now()
-    running = VerificationPass.objects.filter(finished_at=None).first() or _start_pass(now)
+    running = VerificationPass.objects.filter(finished_at=None).first()
     report = Report()
+    if running is None:
+        running = _start_pass(now)
+        # Capabilities are few: the pass's first slice checks them all.
+        _check_capabilities(report)
 
     ids = dict(
         Invocation.objects.filter(pk__gt=running.after_invocation, pk__lte=running.until_invocation)
@@ -458,6 +549,7 @@ def verify_next_slice(
     running.events += report.events
     running.seals += report.seals
     running.admin_actions += report.admin_actions
+    running.capabilities += report.capabilities
     running.break_count += len(report.breaks)
     room = VerificationPass.BREAKS_KEPT - len(running.breaks)
     running.breaks += [
@@ -474,12 +566,13 @@ def verify_next_slice(
     if running.finished_at:
         log.info(
             "verification pass=%d finished invocations=%d events=%d seals=%d "
-            "admin_actions=%d breaks=%d",
+            "admin_actions=%d capabilities=%d breaks=%d",
             running.pk,
             running.invocations,
             running.events,
             running.seals,
             running.admin_actions,
+            running.capabilities,
             running.break_count,
         )
     return running

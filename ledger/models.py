@@ -3,6 +3,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import hmac
+import json
 import logging
 import re
 import secrets
@@ -601,7 +602,8 @@ class SealedEvent(models.Model):
 class VerificationPass(models.Model):
     """One background pass of verify_ledger over the whole ledger, a slice per run of
     beat's task (`ledger.integrity.verify_next_slice`): every chain, its replay through
-    the retry policy and its row, every seal and the action log's chain.
+    the retry policy and its row, every seal, the action log's chain, and (in its first
+    slice) every capability against the action log.
 
     A pass covers what existed when it started (up to `until_invocation`, `until_seal`
     and `until_admin_action`); what is recorded later is the next pass's. The first BREAKS_KEPT
@@ -629,6 +631,7 @@ class VerificationPass(models.Model):
     events = models.PositiveBigIntegerField(default=0)
     seals = models.PositiveBigIntegerField(default=0)
     admin_actions = models.PositiveBigIntegerField(default=0)
+    capabilities = models.PositiveIntegerField(default=0)
     break_count = models.PositiveIntegerField(default=0)
     breaks = models.JSONField(default=list, blank=True)
 
@@ -651,7 +654,8 @@ class VerificationPass(models.Model):
 
 
 class AdminAction(models.Model):
-    """What administrators did outside any invocation: tokens issued and revoked.
+    """What administrators did outside any invocation: tokens issued and revoked,
+    capability declarations registered, capability settings changed.
 
     Append-only, like the evidence (migration 0012), and hash-chained in one chain in
     the order recorded: `hash = sha256(prev_hash ‖ canonical(action))`, so a row
@@ -663,6 +667,9 @@ class AdminAction(models.Model):
     action = models.CharField(max_length=48)
     target = models.CharField(max_length=200)
     reason = models.TextField(blank=True)
+    # What the action was, where its three words are not enough: the digest and the
+    # derived fields of a declaration, the settings a change left (ledger.capabilities).
+    details = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64)
@@ -677,18 +684,43 @@ class AdminAction(models.Model):
     def __str__(self) -> str:
         return f"{self.actor} {self.action} {self.target}"
 
-    def body(self) -> dict[str, str]:
+    @property
+    def change(self) -> str:
+        """What `details` says, on one line, for the console."""
+        if "changed" in self.details:
+            return "; ".join(
+                f"{name}: {json.dumps(change['from'])} → {json.dumps(change['to'])}"
+                for name, change in self.details["changed"].items()
+            )
+        if "version" in self.details:
+            return f"version {self.details['version']}, from {self.details.get('source', '?')}"
+        return ""
+
+    def body(self) -> dict[str, Any]:
         """What its hash covers."""
-        return {
+        body: dict[str, Any] = {
             "actor": self.actor,
             "action": self.action,
             "target": self.target,
             "reason": self.reason,
             "created_at": self.created_at.astimezone(dt.UTC).isoformat(),
         }
+        # Only when there are any: the rows chained before details existed (migration
+        # 0031) keep the hashes they were logged with.
+        if self.details:
+            body["details"] = self.details
+        return body
 
     @classmethod
-    def record(cls, *, actor: str, action: str, target: str, reason: str = "") -> AdminAction:
+    def record(
+        cls,
+        *,
+        actor: str,
+        action: str,
+        target: str,
+        reason: str = "",
+        details: dict[str, Any] | None = None,
+    ) -> AdminAction:
         """Append an action to the chain; one writer at a time (an advisory lock held
         to the end of the caller's transaction)."""
         with transaction.atomic():
@@ -696,6 +728,7 @@ class AdminAction(models.Model):
                 cursor.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.admin_action'))")
             last = cls.objects.order_by("-id").values_list("hash", flat=True).first()
             row = cls(actor=actor, action=action, target=target, reason=reason)
+            row.details = details or {}
             row.prev_hash = last or GENESIS_HASH
             row.hash = event_hash(row.prev_hash, row.body())
             row.save()

@@ -32,6 +32,7 @@ from ledger.audit import (
     search,
 )
 from ledger.integrity import (
+    CAPABILITY_ADVICE,
     UNEXPLAINED_HISTORY_ADVICE,
     more_events_than,
     newest_passes,
@@ -256,6 +257,7 @@ def audit_verify(request: HttpRequest) -> HttpResponse:
         "report": report,
         "too_many": too_many,
         "unexplained_history_advice": UNEXPLAINED_HISTORY_ADVICE,
+        "capability_advice": CAPABILITY_ADVICE,
         "running": running,
         "finished": finished,
     }

@@ -20,6 +20,8 @@ from django.db import connection, connections
 from django.test import Client
 from psycopg.pq import TransactionStatus
 
+from ledger import acc
+from ledger.capabilities import capability_register, capability_settings_change
 from ledger.integrity import verify
 from ledger.models import Capability, Runtime, RuntimeToken
 
@@ -131,15 +133,44 @@ def api_b(runtime_b: Runtime) -> Api:
     return Api(Client(), token)
 
 
+# Where registered()'s keywords go in an ACC declaration.
+DECLARED_AT = {
+    "risk_level": ("risk", "level"),
+    "readonly": ("execution", "readonly"),
+    "idempotent": ("execution", "idempotent"),
+    "timeout_ms": ("execution", "timeout_ms"),
+    "subject_required": ("subject", "required"),
+    "audit_sensitive": ("audit", "sensitive"),
+}
+
+
+def registered(
+    scope: str, *, enabled: bool = True, settings: dict[str, Any] | None = None, **declared: Any
+) -> Capability:
+    """A capability as the registry makes it: a declaration with these fields
+    (risk_level, readonly, ...: DECLARED_AT), then these ledger settings, each recorded
+    in the action log, which verification checks capabilities against."""
+    raw: dict[str, Any] = {"version": 1, "enabled": enabled, "scope": scope}
+    for name, value in declared.items():
+        section, key = DECLARED_AT[name]
+        raw.setdefault(section, {})[key] = value
+    capability_register(declaration=acc.parse(raw), source="tests", actor="user:tests")
+    if settings:
+        capability_settings_change(
+            scope=scope, actor="user:tests", reason="the test's settings", **settings
+        )
+    return Capability.objects.get(scope=scope)
+
+
 @pytest.fixture
 def refund(db: None) -> Capability:
     """A money-moving write: not readonly, key not verified by the business system."""
-    return Capability.objects.create(scope="refund.create", risk_level="high")
+    return registered("refund.create", risk_level="high")
 
 
 @pytest.fixture
 def lookup(db: None) -> Capability:
-    return Capability.objects.create(scope="order.read", readonly=True, risk_level="low")
+    return registered("order.read", readonly=True, risk_level="low")
 
 
 def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:

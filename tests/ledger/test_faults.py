@@ -54,7 +54,7 @@ def test_postgres_refuses_to_rewrite_what_administrators_did(
 ) -> None:
     AdminAction.record(actor="cli:ada", action="token_issued", target="runtime a, token 1")
     CapabilityDeclaration.objects.create(
-        capability=refund, version=1, declaration={}, source="test", actor="cli:ada"
+        capability=refund, version=2, declaration={}, source="test", actor="cli:ada"
     )
     with (
         pytest.raises((InternalError, ProgrammingError), match="append-only"),

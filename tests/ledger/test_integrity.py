@@ -632,8 +632,9 @@ def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
     client = Client()
     client.force_login(reviewer)
     clean = client.get("/audit/verify/", {"run": "1"}).content.decode()
-    assert "OK: 4 invocations, 10 events, 1 seals, 4 projections and 0 admin actions verified." in (
-        clean
+    assert (
+        "OK: 4 invocations, 10 events, 1 seals, 4 projections, 1 admin actions and "
+        "1 capabilities verified." in clean
     )
     assert f"Newest seal verified: <code>{Seal.objects.get().hash}</code>" in clean
     with override_settings(LEDGER_VERIFY_PAGE_MAX_EVENTS=9):

@@ -13,7 +13,7 @@ import pytest
 
 from ledger.models import Capability, Invocation
 from reconciliation.standin import StandInService
-from tests.conftest import process_env
+from tests.conftest import process_env, registered
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,12 +30,11 @@ def standin(tmp_path: Path) -> Iterator[StandInService]:
 @pytest.fixture
 def refunds(db: None, standin: StandInService) -> Capability:
     """refund.create, probed by idempotency key at the stand-in; short deadlines."""
-    return Capability.objects.create(
-        scope="refund.create",
+    return registered(
+        "refund.create",
         risk_level="medium",
         timeout_ms=200,
-        grace_ms=100,
-        probe=standin.probe_config(),
+        settings={"grace_ms": 100, "probe": standin.probe_config()},
     )
 
 

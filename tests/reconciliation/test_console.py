@@ -589,7 +589,7 @@ def test_the_dashboard_shows_what_background_verification_found(
     found = card("verification")
     assert (
         '<p class="behind">Last whole pass, finished under a minute ago: 2 invocations, '
-        "2 events, 0 seals and 0 admin actions,\n      1 break found:</p>"
+        "2 events, 0 seals, 1 admin action and 1 capability,\n      1 break found:</p>"
     ) in found
     assert (
         "<li><code>projection broken at invocation inv-2 status: expected &#x27;recorded&#x27;, "
@@ -627,7 +627,12 @@ def test_the_invocation_page_calls_a_capability_undeclared_only_as_the_api_does(
     flagged: str, api: Api, operator: Client
 ) -> None:
     registered = operator.get("/invocations/inv-1/").content.decode()
-    assert "refund.create (registered without a declaration, risk medium)" in registered
+    assert "refund.create (declaration v1, risk medium)" in registered
+    # A row from before the registry made every capability from a declaration.
+    Capability.objects.create(scope="legacy.tool")
+    api.intent(invocation_id="inv-3", capability="legacy.tool", idempotency_key="k")
+    legacy = operator.get("/invocations/inv-3/").content.decode()
+    assert "legacy.tool (registered without a declaration, risk medium)" in legacy
     status, state = api.intent(
         invocation_id="inv-2", capability="unknown.tool", idempotency_key="k"
     )

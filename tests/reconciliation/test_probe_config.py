@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from ledger.models import Capability
 from ledger.probe_config import problems
 from reconciliation.standin import StandInService
+from tests.conftest import registered
 
 README_EXAMPLE = {
     "kind": "http",
@@ -97,9 +97,9 @@ def test_a_malformed_configuration_names_its_problem(config: Any, problem: str) 
 
 
 def test_the_admin_refuses_a_malformed_probe_and_saves_nothing(admin_client: Client) -> None:
-    capability = Capability.objects.create(scope="refund.create", risk_level="high")
+    capability = registered("refund.create", risk_level="high")
     form = {
-        "idempotency_verified": "", "max_attempts": 5, "grace_ms": 60000, "redact_paths": "[]",
+        "idempotency_verified": "", "max_attempts": 5, "grace_ms": 60000, "redact_paths": "",
         "probe": '{"kind": "http", "url": "https://pay.example/r?k={idempotency-key}"}',
         "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
     }  # fmt: skip
@@ -115,6 +115,9 @@ def test_the_admin_refuses_a_malformed_probe_and_saves_nothing(admin_client: Cli
         "absent": {"status": 404},
     }
     form["probe"] = json.dumps(fixed)
+    response = admin_client.post(f"/admin/ledger/capability/{capability.pk}/change/", form)
+    assert "Say why grace_ms, max_attempts, probe change" in response.content.decode()
+    form["reason"] = "payments answers 404 for a refund it never made"
     response = admin_client.post(f"/admin/ledger/capability/{capability.pk}/change/", form)
     assert response.status_code == 302, response.content.decode()[:2000]
     capability.refresh_from_db()

@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ledger.integrity import UNEXPLAINED_HISTORY_ADVICE, verify
+from ledger.integrity import CAPABILITY_ADVICE, UNEXPLAINED_HISTORY_ADVICE, verify
 
 
 def moment(value: str) -> dt.datetime:
@@ -16,8 +16,9 @@ def moment(value: str) -> dt.datetime:
 class Command(BaseCommand):
     help = (
         "Recompute every invocation's hash chain and every seal (events and seals created "
-        "in [--since, --until)) and the action log's chain, replay each chain's recorded "
-        "states through the retry policy, and with --projections compare each invocation "
+        "in [--since, --until)) and the action log's chain, check every capability and "
+        "declaration against the action log, replay each chain's recorded states through "
+        "the retry policy, and with --projections compare each invocation "
         "row with the state its last event recorded. Names every broken link; exit status 1 "
         "if any."
     )
@@ -34,7 +35,7 @@ class Command(BaseCommand):
         summary = (
             f"{report.invocations} invocations, {report.events} events, {report.seals} seals"
             + (f", {report.projections} projections" if projections else "")
-            + f", {report.admin_actions} admin actions"
+            + f", {report.admin_actions} admin actions, {report.capabilities} capabilities"
         )
         if report.projections_broken:
             self.stdout.write(
@@ -43,6 +44,8 @@ class Command(BaseCommand):
             )
         if report.histories_unexplained:
             self.stdout.write(UNEXPLAINED_HISTORY_ADVICE)
+        if report.capabilities_unrecorded:
+            self.stdout.write(CAPABILITY_ADVICE)
         if not report.ok:
             raise CommandError(f"{len(report.breaks)} broken link(s) in {summary}")
         self.stdout.write(f"OK: {summary} verified")

@@ -7,9 +7,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ledger import acc
-from ledger.capabilities import capability_register
+from ledger.capabilities import capability_register, capability_settings_change
 from ledger.client import conformance
-from ledger.models import Capability
 from reconciliation.standin import StandInService
 
 SCOPE = "conformance.refund.create"
@@ -37,8 +36,12 @@ class Command(BaseCommand):
                     http_method="POST",
                 )  # fmt: skip
                 capability_register(declaration=declaration, source="conformance", actor="cli")
-                Capability.objects.filter(scope=SCOPE).update(
-                    grace_ms=500, probe=standin.probe_config()
+                capability_settings_change(
+                    scope=SCOPE,
+                    actor="cli",
+                    reason="manage.py conformance: its stand-in, probed by idempotency key",
+                    grace_ms=500,
+                    probe=standin.probe_config(),
                 )
                 passed = conformance.run(
                     url=url, token=token, standin=standin.url, capability=SCOPE,

@@ -23,8 +23,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ledger import acc
-from ledger.capabilities import capability_register
-from ledger.models import Capability, Runtime, RuntimeToken
+from ledger.capabilities import capability_register, capability_settings_change
+from ledger.models import Runtime, RuntimeToken
 from reconciliation.standin import StandInService
 
 SCOPE = "demo.refund.create"
@@ -75,7 +75,13 @@ class Command(BaseCommand):
             http_method="POST",
         )
         capability_register(declaration=declaration, source="demo", actor="cli:demo")
-        Capability.objects.filter(scope=SCOPE).update(grace_ms=1000, probe=standin.probe_config())
+        capability_settings_change(
+            scope=SCOPE,
+            actor="cli:demo",
+            reason="manage.py demo: its stand-in payments service, probed by idempotency key",
+            grace_ms=1000,
+            probe=standin.probe_config(),
+        )
         runtime, _ = Runtime.objects.get_or_create(name="demo-runtime")
         _, token = RuntimeToken.issue(runtime=runtime, label="manage.py demo")
         self.stdout.write(f"stand-in payments service on {standin.url}; capability {SCOPE}")
