@@ -304,13 +304,17 @@ def _after_action(request: HttpRequest, invocation_id: str, done: str) -> HttpRe
             "reconciliation/invocation.html#detail",
             invocation_context(request, invocation),
         )
-    return redirect("console:invocation", invocation_id=invocation_id)
+    # 303 See Other: the browser follows a POST's answer with a GET (POST/redirect/GET).
+    response = redirect("console:invocation", invocation_id=invocation_id)
+    response.status_code = 303
+    return response
 
 
 def _refused(request: HttpRequest, invocation_id: str, error: LedgerError) -> HttpResponse:
     messages.error(request, error.message)
     response = _after_action(request, invocation_id, "")
-    response.status_code = 409 if request.htmx else 303  # type: ignore[attr-defined]
+    if request.htmx:  # type: ignore[attr-defined]
+        response.status_code = 409
     return response
 
 

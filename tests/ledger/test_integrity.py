@@ -476,7 +476,7 @@ def test_an_admin_restores_a_broken_row_from_its_page_on_the_record(ledger: Api,
 
     response = admin.post(restore_url, {"reason": "INC-9: status edited by hand"})
 
-    assert (response.status_code, response["Location"]) == (302, page_url)
+    assert (response.status_code, response["Location"]) == (303, page_url)
     page = admin.get(page_url).content.decode()
     assert page.count("Restored from its events: cause, status.") == 1
     assert "no longer agrees" not in page

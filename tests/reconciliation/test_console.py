@@ -334,7 +334,7 @@ def test_an_invocation_recorded_with_a_slash_in_its_id_stays_reachable(
     assert page.status_code == 200
     assert "tenant/42" in page.content.decode()
     claimed = operator.post("/invocations/tenant/42/claim")
-    assert claimed.status_code == 302
+    assert claimed.status_code == 303
     assert Invocation.objects.get().assignee == "olga"
 
 
