@@ -8,6 +8,7 @@ import logging
 import re
 import secrets
 from collections.abc import Mapping
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -651,6 +652,28 @@ class VerificationPass(models.Model):
 
     def __str__(self) -> str:
         return f"verification pass {self.pk} from {self.started_at:%Y-%m-%d %H:%M}"
+
+    @cached_property
+    def first_breaks(self) -> list[dict[str, Any]]:
+        """The first ten breaks kept, each a row's with the `projection_restored` event
+        that put the row back since the pass started, if one did (`restored`): the pass
+        found it, and until the next pass finds none it still counts it."""
+        shown = self.breaks[:10]
+        rows = [b["invocation_id"] for b in shown if b["break"].startswith("projection")]
+        restores = Event.objects.filter(
+            kind="projection_restored",
+            invocation__invocation_id__in=rows,
+            created_at__gte=self.started_at,
+        ).order_by("created_at")
+        restored = {
+            event.invocation.invocation_id: event for event in restores.select_related("invocation")
+        }
+        return [
+            {**broken, "restored": restored.get(broken["invocation_id"])}
+            if broken["break"].startswith("projection")
+            else broken
+            for broken in shown
+        ]
 
 
 class AdminAction(models.Model):

@@ -17,7 +17,13 @@ from django.db.migrations.executor import MigrationExecutor
 from django.db.utils import ProgrammingError
 
 from ledger.chain import GENESIS_HASH, event_hash
-from ledger.integrity import CLEAN_PASSES_KEPT, seal_events, verify, verify_next_slice
+from ledger.integrity import (
+    CLEAN_PASSES_KEPT,
+    restore_projection,
+    seal_events,
+    verify,
+    verify_next_slice,
+)
 from ledger.models import AdminAction, Event, Invocation, RuntimeToken, Seal, VerificationPass
 from tests.conftest import Api, person
 from tests.ledger.conftest import superuser_sql
@@ -194,6 +200,13 @@ def test_the_verify_page_shows_what_the_background_passes_found(ledger: Api) -> 
         'found &#x27;failed&#x27;</code> <a href="/invocations/inv-2/">its page</a></li>'
     ) in card
     assert "Running for under a minute: 1 invocation checked so far." in card
+
+    restore_projection(invocation_id="inv-2", actor="user:ada", reason="found by the pass")
+    card = compliance.get("/audit/verify/").content.decode().split("</section>")[0]
+    assert (
+        '<a href="/invocations/inv-2/">its page</a> (row restored under a minute ago by '
+        "user:ada)</li>"
+    ) in card
 
 
 def test_the_pages_list_the_first_ten_breaks_and_count_the_rest(ledger: Api) -> None:
