@@ -19,6 +19,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from ledger import chain, services
+from ledger.capabilities import capability_settings_change
 from ledger.integrity import merkle_root, seal_events, verify, verify_next_slice
 from ledger.models import (
     AdminAction,
@@ -32,7 +33,7 @@ from ledger.models import (
 )
 from reconciliation import services as reconciliation_services
 from reconciliation.sweeper import forget_spent_probe_jobs, sweep
-from tests.conftest import ROOT, Api, intent_body, person
+from tests.conftest import ROOT, Api, intent_body, person, registered
 from tests.ledger.conftest import superuser_sql
 
 
@@ -606,6 +607,11 @@ def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidenc
         for _ in range(2):  # the second pass forgets old clean ones: a DELETE
             assert verify_next_slice(invocations=100) is not None
         AdminAction.record(actor="cli:ada", action="token_issued", target="runtime a")
+        registered("refund.create", risk_level="medium")  # a new version of it
+        capability_settings_change(
+            scope="refund.create", actor="user:ada", reason="the role's check", max_attempts=2
+        )
+        assert verify().ok
         cache.set("role-check", 1)
         cache.delete("role-check")
         operator = person("olga", "operator")
