@@ -61,7 +61,12 @@ def capability_register(*, declaration: acc.Declaration, source: str, actor: str
     """Register a declaration; a changed one becomes a new version, the old one kept."""
     capability = Capability.objects.select_for_update().filter(scope=declaration.scope).first()
     if capability is not None and capability.declaration == declaration.raw:
-        return Registration(capability, Registered.UNCHANGED)
+        derived = Capability()
+        _apply(derived, declaration)
+        # The same declaration registered again over a row changed outside the
+        # registry puts the row back, as a new version on the record.
+        if declared_fields_of(derived) == declared_fields_of(capability):
+            return Registration(capability, Registered.UNCHANGED)
     outcome = Registered.CREATED if capability is None else Registered.UPDATED
     capability = capability or Capability(scope=declaration.scope)
     _apply(capability, declaration)

@@ -404,10 +404,12 @@ def _check_admin_actions(report: Report, actions: Iterable[AdminAction], prev_ha
 
 
 CAPABILITY_ADVICE = (
-    "A capability or a declaration that differs from the action log was changed outside "
-    "the registry, which records every registration and settings change there. Find out "
-    "who changed it; then register the declaration again (import or the API) and set the "
-    "settings again in the admin, with a reason, so that the log records them."
+    "A capability that differs from the action log was changed outside the registry, "
+    "which records every registration and settings change there. Find out who changed "
+    "it, then put it back on the record: import its declaration again (registered as a "
+    "new version) and set its settings back in the admin, with a reason. A declaration "
+    "of its history that was rewritten or taken out is evidence lost: restore it from a "
+    "backup."
 )
 
 

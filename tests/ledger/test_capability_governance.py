@@ -13,11 +13,13 @@ from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.test import Client
 
-from ledger import chain
+from ledger import acc, chain
 from ledger.capabilities import (
     DECLARATION_REGISTERED,
     SETTINGS_CHANGED,
     ReasonRequired,
+    Registered,
+    capability_register,
     capability_settings_change,
 )
 from ledger.integrity import CAPABILITY_ADVICE, verify, verify_next_slice
@@ -274,3 +276,28 @@ def test_the_action_log_page_shows_registrations_and_settings_changes(db: None) 
     assert "<td>payments enforces the key atomically</td>" in rows[0]
     assert "<td>max_attempts: null → 2</td>" in rows[1]
     assert "<td>version 1, from tests</td>" in rows[2]
+
+
+def test_a_capability_changed_outside_the_registry_is_put_back_on_the_record(db: None) -> None:
+    declared = {"version": 1, "enabled": True, "scope": "refund.create"}
+    registered("refund.create")
+    superuser_sql("UPDATE ledger_capability SET enabled = false, idempotency_verified = true")
+    assert len(capability_breaks()) == 1
+
+    again = capability_register(declaration=acc.parse(declared), source="re-import", actor="ada")
+    capability_settings_change(
+        scope="refund.create",
+        actor="user:ada",
+        reason="switched on by SQL, outside the registry",
+        idempotency_verified=False,
+    )
+
+    assert (again.outcome, again.capability.version, again.capability.enabled) == (
+        Registered.UPDATED,
+        2,
+        True,
+    )
+    assert verify().ok
+    # Registered once more over an intact row, it changes nothing.
+    unchanged = capability_register(declaration=acc.parse(declared), source="again", actor="ada")
+    assert (unchanged.outcome, unchanged.capability.version) == (Registered.UNCHANGED, 2)
