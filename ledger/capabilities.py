@@ -56,17 +56,22 @@ def _apply(capability: Capability, declaration: acc.Declaration) -> None:
     capability.timeout_ms = declaration.timeout_ms
 
 
+def _in_force(declaration: acc.Declaration, capability: Capability) -> bool:
+    """Whether the row is what registering the declaration would make it: the same
+    declaration registered again over a row changed outside the registry puts the row
+    back, as a new version on the record."""
+    derived = Capability()
+    _apply(derived, declaration)
+    same_fields = declared_fields_of(derived) == declared_fields_of(capability)
+    return capability.declaration == declaration.raw and same_fields
+
+
 @transaction.atomic
 def capability_register(*, declaration: acc.Declaration, source: str, actor: str) -> Registration:
     """Register a declaration; a changed one becomes a new version, the old one kept."""
     capability = Capability.objects.select_for_update().filter(scope=declaration.scope).first()
-    if capability is not None and capability.declaration == declaration.raw:
-        derived = Capability()
-        _apply(derived, declaration)
-        # The same declaration registered again over a row changed outside the
-        # registry puts the row back, as a new version on the record.
-        if declared_fields_of(derived) == declared_fields_of(capability):
-            return Registration(capability, Registered.UNCHANGED)
+    if capability is not None and _in_force(declaration, capability):
+        return Registration(capability, Registered.UNCHANGED)
     outcome = Registered.CREATED if capability is None else Registered.UPDATED
     capability = capability or Capability(scope=declaration.scope)
     _apply(capability, declaration)
@@ -178,7 +183,7 @@ def capabilities_import(
                 Registered.CREATED
                 if current is None
                 else Registered.UNCHANGED
-                if current.declaration == entry.declaration.raw
+                if _in_force(entry.declaration, current)
                 else Registered.UPDATED
             )
         else:
