@@ -301,3 +301,15 @@ def test_a_capability_changed_outside_the_registry_is_put_back_on_the_record(db:
     # Registered once more over an intact row, it changes nothing.
     unchanged = capability_register(declaration=acc.parse(declared), source="again", actor="ada")
     assert (unchanged.outcome, unchanged.capability.version) == (Registered.UNCHANGED, 2)
+
+
+def test_a_dry_run_says_a_row_changed_outside_the_registry_would_be_put_back(db: None) -> None:
+    document = str(SHARED_ACC / "openapi-basic.yaml")
+    call_command("import_capabilities", document, stdout=io.StringIO(), stderr=io.StringIO())
+    out = io.StringIO()
+    call_command("import_capabilities", document, "--dry-run", stdout=out, stderr=io.StringIO())
+    assert out.getvalue().startswith("would be unchanged: order.read")
+    superuser_sql("UPDATE ledger_capability SET readonly = false")
+    out = io.StringIO()
+    call_command("import_capabilities", document, "--dry-run", stdout=out, stderr=io.StringIO())
+    assert out.getvalue().startswith("would be updated: order.read")
