@@ -20,7 +20,7 @@ from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from ledger import policy
-from ledger.chain import GENESIS_HASH, event_hash
+from ledger.chain import GENESIS_HASH, event_hash, redact
 from ledger.identifiers import IDENTIFIER_HINT, IDENTIFIER_REGEX
 from ledger.probe_config import validate_probe_config
 
@@ -709,10 +709,11 @@ class AdminAction(models.Model):
 
     @property
     def change(self) -> str:
-        """What `details` says, on one line, for the console."""
+        """What `details` says, on one line, for the console: secret-looking values (a
+        probe's Authorization header, say) masked, as in stored arguments."""
         if "changed" in self.details:
             return "; ".join(
-                f"{name}: {json.dumps(change['from'])} → {json.dumps(change['to'])}"
+                f"{name}: {json.dumps(redact(change['from']))} → {json.dumps(redact(change['to']))}"
                 for name, change in self.details["changed"].items()
             )
         if "version" in self.details:

@@ -278,6 +278,19 @@ def test_the_action_log_page_shows_registrations_and_settings_changes(db: None) 
     assert "<td>version 1, from tests</td>" in rows[2]
 
 
+def test_the_action_log_page_masks_a_secret_in_a_probe_setting(db: None) -> None:
+    probe = {
+        "kind": "http",
+        "url": "https://pay.example/refunds?key={idempotency_key}",
+        "headers": {"Authorization": "Bearer sk_live_typed_in_by_mistake"},
+        "absent": {"status": 404},
+    }
+    registered("refund.create", settings={"probe": probe})
+    page = person("cora", "compliance").get("/audit/actions/").content.decode()
+    assert "sk_live_typed_in_by_mistake" not in page
+    assert "&quot;Authorization&quot;: &quot;[redacted]&quot;" in page
+
+
 def test_a_capability_changed_outside_the_registry_is_put_back_on_the_record(db: None) -> None:
     declared = {"version": 1, "enabled": True, "scope": "refund.create"}
     registered("refund.create")
