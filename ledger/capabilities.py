@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Any
 
 from django.db import transaction
+from django.db.models import QuerySet
 
 from ledger import acc
 from ledger.chain import digest
@@ -156,6 +157,15 @@ def capability_settings_change(
         details={"changed": changed, "settings": after},
     )
     return changed
+
+
+def capability_history(scope: str) -> QuerySet[AdminAction]:
+    """What the action log recorded of a capability, newest first: each declaration
+    registered and each settings change."""
+    recorded = AdminAction.objects.filter(
+        target=scope, action__in=(DECLARATION_REGISTERED, SETTINGS_CHANGED)
+    )
+    return recorded.order_by("-id")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ urlpatterns = [
     path("audit/", views.audit, name="audit"),
     path("audit/actions/", views.action_log, name="audit-actions"),
     path("audit/verify/", views.audit_verify, name="audit-verify"),
+    path("audit/capabilities/", views.capability_list, name="capabilities"),
+    path("audit/capabilities/<str:scope>/", views.capability_page, name="capability"),
     path("audit/export.<str:fmt>", views.audit_export, name="audit-export"),
     path("", include("reconciliation.urls")),
 ]

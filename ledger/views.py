@@ -16,7 +16,7 @@ from django.http import (
     JsonResponse,
     StreamingHttpResponse,
 )
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.views import defaults
 from django.views.decorators.http import require_GET
 from kombu import Connection
@@ -31,6 +31,7 @@ from ledger.audit import (
     page_cursor,
     search,
 )
+from ledger.capabilities import capability_history
 from ledger.integrity import (
     CAPABILITY_ADVICE,
     UNEXPLAINED_HISTORY_ADVICE,
@@ -39,7 +40,7 @@ from ledger.integrity import (
     verify,
 )
 from ledger.metrics import exposition
-from ledger.models import AdminAction, CapabilityDeclaration, Event
+from ledger.models import AdminAction, Capability, CapabilityDeclaration, Event
 from ledger.permissions import READERS, fragment, role_required
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,32 @@ def action_log(request: HttpRequest) -> HttpResponse:
         "admin_actions": AdminAction.objects.order_by("-created_at")[:PAGE],
     }
     return render(request, "ledger/actions.html", context)
+
+
+@require_GET
+@role_required(*READERS)
+def capability_list(request: HttpRequest) -> HttpResponse:
+    """Every capability with what governs its invocations now."""
+    context = {"capabilities": Capability.objects.order_by("scope")}
+    return render(request, "ledger/capabilities.html", context)
+
+
+@require_GET
+@role_required(*READERS)
+def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
+    """One capability: its declaration and settings in force, and how they came to be."""
+    capability = get_object_or_404(Capability, scope=scope)
+    context = {
+        "capability": capability,
+        "history": capability_history(scope),
+        "declarations": capability.declarations.order_by("-version"),
+        "defaults": {
+            "timeout_ms": settings.LEDGER_DEFAULT_TIMEOUT_MS,
+            "grace_ms": settings.LEDGER_DEFAULT_GRACE_MS,
+            "max_attempts": settings.LEDGER_DEFAULT_MAX_ATTEMPTS,
+        },
+    }
+    return render(request, "ledger/capability.html", context)
 
 
 @require_GET

@@ -8,7 +8,6 @@ JavaScript). Permissions are checked here, never only in templates.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 from typing import Any
 
@@ -36,6 +35,7 @@ from ledger.services import (
     rows_disagreeing,
     with_heads,
 )
+from ledger.templatetags.console import as_json
 from reconciliation import services
 from reconciliation.forms import (
     MAX_RISK_RANK,
@@ -236,13 +236,6 @@ def business_references(invocation: Invocation, events: list[Event]) -> list[dic
             }
         )
     return references
-
-
-def as_json(value: Any) -> str | None:
-    """Stored JSON as people read it: indented, keys sorted, non-ASCII as written."""
-    if value is None:
-        return None
-    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
 
 
 def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str, Any]:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
+from typing import Any
 
 from django import template
 from django.utils import timezone
 from django.utils.timesince import timesince
+
+from ledger.chain import redact
 
 register = template.Library()
 
@@ -20,3 +24,17 @@ def waited(since: dt.datetime | None) -> str:
     if timezone.now() - since < dt.timedelta(minutes=1):
         return "under a minute"
     return timesince(since)
+
+
+@register.filter
+def as_json(value: Any) -> str | None:
+    """Stored JSON as people read it: indented, keys sorted, non-ASCII as written."""
+    if value is None:
+        return None
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+
+
+@register.filter
+def masked(value: Any) -> Any:
+    """A copy with secret-looking keys' values masked, as stored arguments are."""
+    return redact(value)

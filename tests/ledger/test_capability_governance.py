@@ -24,7 +24,7 @@ from ledger.capabilities import (
 )
 from ledger.integrity import CAPABILITY_ADVICE, verify, verify_next_slice
 from ledger.models import AdminAction, Capability, CapabilityDeclaration
-from tests.conftest import SHARED_ACC, person, registered
+from tests.conftest import SHARED_ACC, Api, person, registered
 from tests.ledger.conftest import superuser_sql
 
 
@@ -326,3 +326,57 @@ def test_a_dry_run_says_a_row_changed_outside_the_registry_would_be_put_back(db:
     out = io.StringIO()
     call_command("import_capabilities", document, "--dry-run", stdout=out, stderr=io.StringIO())
     assert out.getvalue().startswith("would be updated: order.read")
+
+
+def test_the_capability_page_shows_what_is_in_force_and_how_it_came_to_be(db: None) -> None:
+    registered("refund.create", risk_level="high", timeout_ms=2000)
+    registered("refund.create", risk_level="medium", timeout_ms=2000)
+    capability_settings_change(
+        scope="refund.create",
+        actor="user:ada",
+        reason="payments enforces the key atomically",
+        idempotency_verified=True,
+        probe={
+            "kind": "http",
+            "url": "https://pay.example/refunds?key={idempotency_key}",
+            "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},
+            "absent": {"status": 404},
+        },
+    )
+    reviewer = person("cora", "compliance")
+
+    listed = reviewer.get("/audit/capabilities/").content.decode()
+    assert '<a href="/audit/capabilities/refund.create/">refund.create</a>' in listed
+    page = reviewer.get("/audit/capabilities/refund.create/").content.decode()
+
+    in_force = page.split('id="in-force"')[1].split("</section>")[0]
+    for shown in (
+        "<dt>declaration</dt><dd>v2</dd>",
+        "<dt>risk</dt><dd>medium</dd>",
+        "<dt>timeout</dt><dd>2000 ms</dd>",
+        "<dt>idempotency verified</dt><dd>yes</dd>",
+        "<dt>maximum attempts</dt><dd>5 (the default)</dd>",
+        "<dt>grace</dt><dd>60000 ms (the default)</dd>",
+        "&quot;Authorization&quot;: &quot;[redacted]&quot;",
+    ):
+        assert shown in in_force, shown
+    history = page.split('id="capability-history"')[1].split("</table>")[0]
+    assert history.count("<tr><td>") == 3
+    assert "idempotency_verified: false → true" in history
+    assert "payments enforces the key atomically" in history
+    assert "version 2, from tests" in history
+    assert page.count("<details") == 2 and "<details open><summary>v2," in page
+    assert 'href="/audit/?capability=refund.create"' in page
+
+
+def test_the_capability_pages_are_for_people_with_a_role(db: None, api: Api) -> None:
+    registered("refund.create")
+    assert person("olga", "operator").get("/audit/capabilities/refund.create/").status_code == 200
+    assert person("nobody").get("/audit/capabilities/").status_code == 403
+    anonymous = Client().get("/audit/capabilities/refund.create/")
+    assert anonymous.status_code == 302 and "/accounts/login/" in anonymous["Location"]
+    as_runtime = Client().get("/audit/capabilities/", headers=api.headers())
+    assert as_runtime.status_code == 302
+    assert (
+        person("cora", "compliance").get("/audit/capabilities/payroll.change/").status_code == 404
+    )

@@ -249,7 +249,8 @@ def test_no_page_logs_an_error_in_the_browser(
     errors: list[str] = []
     page = log_in(browser, live_server.url, "ada", True, errors)
     for path in ("/", "/dashboard/", "/invocations/inv-2/", "/audit/", "/audit/actions/",
-                 "/audit/verify/?run=1"):  # fmt: skip
+                 "/audit/verify/?run=1", "/audit/capabilities/",
+                 "/audit/capabilities/refund.create/"):  # fmt: skip
         response = page.goto(f"{live_server.url}{path}")
         assert response is not None and response.status == 200, path
         page.wait_for_load_state("load")
@@ -315,7 +316,8 @@ def test_axe_finds_nothing_on_any_console_page_in_any_state(
     assert verify_next_slice(invocations=1) is not None
     for path in ("/", "/?older_than_minutes=soon", "/dashboard/", "/audit/",
                  "/audit/?capability=refund.create", "/audit/?since=yesterday",
-                 "/audit/actions/", "/audit/verify/?run=1", "/invocations/inv-3/"):  # fmt: skip
+                 "/audit/actions/", "/audit/verify/?run=1", "/invocations/inv-3/",
+                 "/audit/capabilities/", "/audit/capabilities/refund.create/"):  # fmt: skip
         response = abe.goto(f"{base}{path}")
         assert response is not None and response.status == 200, path
         found[path] = accessibility_problems(abe)

@@ -627,12 +627,15 @@ def test_the_invocation_page_calls_a_capability_undeclared_only_as_the_api_does(
     flagged: str, api: Api, operator: Client
 ) -> None:
     registered = operator.get("/invocations/inv-1/").content.decode()
-    assert "refund.create (declaration v1, risk medium)" in registered
+    assert (
+        '<a href="/audit/capabilities/refund.create/">refund.create</a> (declaration v1, '
+        "risk medium)"
+    ) in registered
     # A row from before the registry made every capability from a declaration.
     Capability.objects.create(scope="legacy.tool")
     api.intent(invocation_id="inv-3", capability="legacy.tool", idempotency_key="k")
     legacy = operator.get("/invocations/inv-3/").content.decode()
-    assert "legacy.tool (registered without a declaration, risk medium)" in legacy
+    assert "legacy.tool</a> (registered without a declaration, risk medium)" in legacy
     status, state = api.intent(
         invocation_id="inv-2", capability="unknown.tool", idempotency_key="k"
     )
