@@ -6,7 +6,9 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import logging
+import math
 from collections.abc import Callable, Collection
+from time import monotonic
 
 from django.conf import settings
 from django.db.models import F, Q
@@ -86,11 +88,31 @@ def _one(step: Callable[..., bool], invocation_id: str, now: dt.datetime | None)
     try:
         return step(invocation_id=invocation_id, now=now)
     except LedgerError as error:
-        log.error(
-            "sweep skipped invocation=%s step=%s error=%s: %s",
-            invocation_id, step.__name__, error.type, error.message,
-        )  # fmt: skip
+        if _first_in_a_while((invocation_id, step.__name__, error.type)):
+            log.error(
+                "sweep skipped invocation=%s step=%s error=%s: %s",
+                invocation_id, step.__name__, error.type, error.message,
+            )  # fmt: skip
         return False
+
+
+# A row the ledger refuses stays refused until an admin restores it, and beat sweeps
+# every few seconds: the same refusal is logged again only this long after (the
+# dashboard and ledger_invocations_overdue_refused count it meanwhile).
+LOG_AGAIN_AFTER_SECONDS = 600.0
+_logged_at: dict[tuple[str, ...], float] = {}
+
+
+def _first_in_a_while(refusal: tuple[str, ...]) -> bool:
+    """Whether this process has not logged the refusal for LOG_AGAIN_AFTER_SECONDS."""
+    now = monotonic()
+    if now - _logged_at.get(refusal, -math.inf) < LOG_AGAIN_AFTER_SECONDS:
+        return False
+    if len(_logged_at) >= 10_000:  # refusals mended long ago, forgotten
+        for key in [k for k, at in _logged_at.items() if now - at >= LOG_AGAIN_AFTER_SECONDS]:
+            del _logged_at[key]
+    _logged_at[refusal] = now
+    return True
 
 
 def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:

@@ -24,6 +24,7 @@ from ledger import acc
 from ledger.capabilities import capability_register, capability_settings_change
 from ledger.integrity import verify
 from ledger.models import Capability, Runtime, RuntimeToken
+from reconciliation import sweeper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +37,13 @@ LOG_RECORD = re.compile(LOG_TIME + r" level=[A-Z]+ logger=\S+ ")
 SHARED_ACC = Path(
     os.environ.get("ACC_SPEC_DIR", Path(__file__).resolve().parents[2] / "shared" / "acc")
 )
+
+
+@pytest.fixture(autouse=True)
+def sweep_logs_afresh() -> None:
+    """Each test sees the sweep log its refusals, whatever earlier tests' sweeps
+    logged (reconciliation.sweeper logs the same refusal again only after a while)."""
+    sweeper._logged_at.clear()
 
 
 @pytest.fixture(autouse=True)

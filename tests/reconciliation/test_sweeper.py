@@ -176,6 +176,24 @@ def test_a_row_tampered_with_is_skipped_and_logged_and_the_rest_reconciled(
     assert "probe refused invocation=inv-1 error=projection_broken" in caplog.text
 
 
+def test_a_refusal_is_logged_again_only_after_a_while(
+    api: Api, three_in_flight: None, caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    """Beat sweeps every few seconds; a row refused until an admin restores it would
+    otherwise log the same error each time."""
+    clock = [1_000_000.0]
+    monkeypatch.setattr(sweeper, "monotonic", lambda: clock[0])
+    count_fewer_events("inv-2")
+    now = past_deadline()
+    for _ in range(3):
+        sweeper.sweep(now=now)
+        clock[0] += 5
+    assert caplog.text.count("sweep skipped invocation=inv-2") == 1
+    clock[0] += sweeper.LOG_AGAIN_AFTER_SECONDS
+    sweeper.sweep(now=now)
+    assert caplog.text.count("sweep skipped invocation=inv-2") == 2
+
+
 def test_a_whole_round_of_rows_tampered_with_does_not_stop_the_sweep(
     api: Api, three_in_flight: None, caplog: pytest.LogCaptureFixture
 ) -> None:
