@@ -147,6 +147,7 @@ DECLARED_AT = {
     "readonly": ("execution", "readonly"),
     "idempotent": ("execution", "idempotent"),
     "timeout_ms": ("execution", "timeout_ms"),
+    "rate_limit": ("execution", "rate_limit"),
     "subject_required": ("subject", "required"),
     "audit_sensitive": ("audit", "sensitive"),
 }

@@ -330,7 +330,12 @@ def test_a_dry_run_says_a_row_changed_outside_the_registry_would_be_put_back(db:
 
 def test_the_capability_page_shows_what_is_in_force_and_how_it_came_to_be(db: None) -> None:
     registered("refund.create", risk_level="high", timeout_ms=2000)
-    registered("refund.create", risk_level="medium", timeout_ms=2000)
+    registered(
+        "refund.create",
+        risk_level="medium",
+        timeout_ms=2000,
+        rate_limit={"count": 10, "window": "1m"},
+    )
     capability_settings_change(
         scope="refund.create",
         actor="user:ada",
@@ -353,6 +358,7 @@ def test_the_capability_page_shows_what_is_in_force_and_how_it_came_to_be(db: No
     for shown in (
         "<dt>declaration</dt><dd>v2</dd>",
         "<dt>risk</dt><dd>medium</dd>",
+        "<dt>rate limit</dt><dd>10 per 1m, as declared:",
         "<dt>timeout</dt><dd>2000 ms</dd>",
         "<dt>idempotency verified</dt><dd>yes</dd>",
         "<dt>maximum attempts</dt><dd>5 (the default)</dd>",
