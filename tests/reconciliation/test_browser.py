@@ -14,6 +14,7 @@ from axe_playwright_python.sync_playwright import Axe
 from django.contrib.auth.models import Group, User
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
+from ledger.capabilities import capability_settings_change
 from ledger.integrity import verify_next_slice
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
@@ -330,6 +331,12 @@ def test_screenshots_of_the_console(
 ) -> None:
     """The pictures in docs/ come from here (LEDGER_SCREENSHOTS=docs to refresh them)."""
     user("olga", "operator")
+    capability_settings_change(
+        scope="refund.create",
+        actor="user:ada",
+        reason="INC-4120: payments asked for fewer retries",
+        max_attempts=3,
+    )
     folder = Path(os.environ.get("LEDGER_SCREENSHOTS", tmp_path))
     page = log_in(browser, live_server.url, "olga", True)
     page.set_viewport_size({"width": 1280, "height": 800})
@@ -338,6 +345,7 @@ def test_screenshots_of_the_console(
         "invocation.png": "/invocations/inv-2/",
         "dashboard.png": "/dashboard/",
         "audit.png": "/audit/?capability=refund.create",
+        "capability.png": "/audit/capabilities/refund.create/",
     }
     for name, path in shots.items():
         page.goto(f"{live_server.url}{path}")
