@@ -18,12 +18,13 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from ledger.capabilities import capability_settings_change
 from ledger.integrity import verify_next_slice
 from ledger.models import Capability, Invocation
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
-from tests.conftest import Api, person, process_env
+from tests.conftest import Api, person, process_env, registered
 from tests.reconciliation.conftest import BrokerQueue, perform_refund
 
 
@@ -36,7 +37,7 @@ def flag(api: Api) -> None:
 
 @pytest.fixture
 def flagged(api: Api, refund: Capability) -> str:
-    Capability.objects.filter(pk=refund.pk).update(risk_level="medium")
+    registered("refund.create", risk_level="medium")  # its second declaration
     flag(api)
     return "inv-1"
 
@@ -44,7 +45,6 @@ def flagged(api: Api, refund: Capability) -> str:
 @pytest.fixture
 def flagged_high_risk(api: Api, refund: Capability) -> str:
     """inv-1 flagged, its capability high-risk when its intent was recorded."""
-    Capability.objects.filter(pk=refund.pk).update(risk_level="high")
     flag(api)
     return "inv-1"
 
@@ -623,12 +623,29 @@ def test_a_filter_that_does_not_parse_shows_nothing_but_the_error(
     assert "Fix the filter above" in rows
 
 
+def test_the_invocation_page_says_what_governed_it_when_its_intent_was_recorded(
+    flagged: str, operator: Client
+) -> None:
+    capability_settings_change(
+        scope="refund.create",
+        actor="user:ada",
+        reason="payments enforces the key atomically",
+        idempotency_verified=True,
+        max_attempts=2,
+    )
+    page = operator.get("/invocations/inv-1/").content.decode()
+    assert (
+        '<dd class="hints">not readonly; idempotency not verified; 1 of at most 5 attempts; '
+        "outcome due 30000 ms after admission, flagged 60000 ms later"
+    ) in page
+
+
 def test_the_invocation_page_calls_a_capability_undeclared_only_as_the_api_does(
     flagged: str, api: Api, operator: Client
 ) -> None:
     registered = operator.get("/invocations/inv-1/").content.decode()
     assert (
-        '<a href="/audit/capabilities/refund.create/">refund.create</a> (declaration v1, '
+        '<a href="/audit/capabilities/refund.create/">refund.create</a> (declaration v2, '
         "risk medium)"
     ) in registered
     # A row from before the registry made every capability from a declaration.
