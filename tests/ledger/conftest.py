@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 
 from ledger.integrity import seal_events
 from ledger.models import Capability
@@ -29,3 +33,15 @@ def superuser_sql(sql: str, *params: str | int) -> None:
             cursor.execute(sql, params)
         finally:
             cursor.execute("SET session_replication_role = origin")
+
+
+@contextmanager
+def at_migration(name: str) -> Iterator[None]:
+    """The database as ledger's migration `name` left it, for rows written as they were
+    then; migrated forward to the latest after, whatever happens."""
+    latest = MigrationExecutor(connection).loader.graph.leaf_nodes()
+    MigrationExecutor(connection).migrate([("ledger", name)])
+    try:
+        yield
+    finally:
+        MigrationExecutor(connection).migrate(latest)

@@ -10,7 +10,6 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
-from django.db.migrations.executor import MigrationExecutor
 from django.test import Client
 
 from ledger import acc, chain
@@ -25,7 +24,7 @@ from ledger.capabilities import (
 from ledger.integrity import CAPABILITY_ADVICE, verify, verify_next_slice
 from ledger.models import AdminAction, Capability, CapabilityDeclaration
 from tests.conftest import SHARED_ACC, Api, person, registered
-from tests.ledger.conftest import superuser_sql
+from tests.ledger.conftest import at_migration, superuser_sql
 
 
 def capability_breaks() -> list[str]:
@@ -201,40 +200,34 @@ def test_verify_ledger_and_the_background_pass_report_it(db: None) -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_the_registry_recorded_before_the_action_log_kept_it_is_recorded_by_the_migration() -> None:
-    executor = MigrationExecutor(connection)
-    latest = executor.loader.graph.leaf_nodes()
-    executor.migrate([("ledger", "0030_capability_declaration_append_only")])
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "INSERT INTO ledger_capability (scope, enabled, readonly, idempotent, "
-                "idempotency_verified, risk_level, subject_required, audit_sensitive, "
-                "max_attempts, redact_paths, probe, declaration, version, created_at, "
-                "updated_at) VALUES ('refund.create', true, false, false, true, 'high', "
-                "false, false, 3, '{}', '{}', '{\"version\": 1, \"enabled\": true, "
-                '"scope": "refund.create", "risk": {"level": "high"}}\', 2, now(), '
-                "now()) RETURNING id"
-            )
-            (capability_id,) = cursor.fetchone()
-            cursor.execute(
-                "INSERT INTO ledger_capabilitydeclaration (capability_id, version, "
-                "declaration, source, actor, created_at) SELECT %s, v, d::jsonb, 'import', "
-                '\'user:ada\', now() FROM (VALUES (1, \'{"version": 1, "enabled": true, '
-                '"scope": "refund.create"}\'), (2, %s)) AS t(v, d)',
-                [
-                    capability_id,
-                    '{"version": 1, "enabled": true, "scope": "refund.create", '
-                    '"risk": {"level": "high"}}',
-                ],
-            )
-            cursor.execute(
-                "INSERT INTO ledger_adminaction (actor, action, target, reason, created_at, "
-                "prev_hash, hash) VALUES ('cli:ada', 'token_issued', 'token 1', '', now(), "
-                "%s, %s)",
-                [chain.GENESIS_HASH, "f" * 64],
-            )
-    finally:
-        MigrationExecutor(connection).migrate(latest)
+    with at_migration("0030_capability_declaration_append_only"), connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO ledger_capability (scope, enabled, readonly, idempotent, "
+            "idempotency_verified, risk_level, subject_required, audit_sensitive, "
+            "max_attempts, redact_paths, probe, declaration, version, created_at, "
+            "updated_at) VALUES ('refund.create', true, false, false, true, 'high', "
+            "false, false, 3, '{}', '{}', '{\"version\": 1, \"enabled\": true, "
+            '"scope": "refund.create", "risk": {"level": "high"}}\', 2, now(), '
+            "now()) RETURNING id"
+        )
+        (capability_id,) = cursor.fetchone()
+        cursor.execute(
+            "INSERT INTO ledger_capabilitydeclaration (capability_id, version, "
+            "declaration, source, actor, created_at) SELECT %s, v, d::jsonb, 'import', "
+            '\'user:ada\', now() FROM (VALUES (1, \'{"version": 1, "enabled": true, '
+            '"scope": "refund.create"}\'), (2, %s)) AS t(v, d)',
+            [
+                capability_id,
+                '{"version": 1, "enabled": true, "scope": "refund.create", '
+                '"risk": {"level": "high"}}',
+            ],
+        )
+        cursor.execute(
+            "INSERT INTO ledger_adminaction (actor, action, target, reason, created_at, "
+            "prev_hash, hash) VALUES ('cli:ada', 'token_issued', 'token 1', '', now(), "
+            "%s, %s)",
+            [chain.GENESIS_HASH, "f" * 64],
+        )
     token, *recorded = AdminAction.objects.order_by("id")
     assert [(a.action, a.actor, a.details.get("version")) for a in recorded] == [
         (DECLARATION_REGISTERED, "user:ada", 1),

@@ -13,7 +13,6 @@ import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
-from django.db.migrations.executor import MigrationExecutor
 from django.db.utils import ProgrammingError
 
 from ledger.chain import GENESIS_HASH, event_hash
@@ -26,7 +25,7 @@ from ledger.integrity import (
 )
 from ledger.models import AdminAction, Event, Invocation, RuntimeToken, Seal, VerificationPass
 from tests.conftest import Api, person
-from tests.ledger.conftest import superuser_sql
+from tests.ledger.conftest import at_migration, superuser_sql
 
 
 def whole_pass(slice_size: int = 2) -> VerificationPass:
@@ -287,18 +286,12 @@ def test_actions_recorded_at_once_on_many_connections_stay_one_chain() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_actions_recorded_before_the_chain_are_chained_by_the_migration() -> None:
-    executor = MigrationExecutor(connection)
-    latest = executor.loader.graph.leaf_nodes()
-    executor.migrate([("ledger", "0028_verification_pass")])
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "INSERT INTO ledger_adminaction (actor, action, target, reason, created_at) "
-                "VALUES ('cli:ada', 'token_issued', 'runtime a, token 1', '', now()), "
-                "('cli:ada', 'token_revoked', 'runtime a, token 1', 'left', now())"
-            )
-    finally:
-        MigrationExecutor(connection).migrate(latest)
+    with at_migration("0028_verification_pass"), connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO ledger_adminaction (actor, action, target, reason, created_at) "
+            "VALUES ('cli:ada', 'token_issued', 'runtime a, token 1', '', now()), "
+            "('cli:ada', 'token_revoked', 'runtime a, token 1', 'left', now())"
+        )
     first, second = AdminAction.objects.order_by("id")
     assert (first.prev_hash, second.prev_hash) == (GENESIS_HASH, first.hash)
     assert second.hash == event_hash(first.hash, second.body())
