@@ -121,6 +121,7 @@ class Report:
     projections: int = 0
     admin_actions: int = 0
     capabilities: int = 0
+    projections_checked: bool = False
     breaks: list[Break] = field(default_factory=list)
     # The newest seal verified: its hash, compared with the one the sealer logged
     # (ledger.tasks), shows whether the database's seal chain is the one it made.
@@ -141,9 +142,27 @@ class Report:
         return any(broken.what == "projection" for broken in self.breaks)
 
     @property
+    def summary(self) -> str:
+        """What was verified, as people say it: "4 invocations, 1 seal, … and 2
+        capabilities"."""
+        counts = [
+            counted(self.invocations, "invocation"),
+            counted(self.events, "event"),
+            counted(self.seals, "seal"),
+            *([counted(self.projections, "projection")] if self.projections_checked else []),
+            counted(self.admin_actions, "admin action"),
+            counted(self.capabilities, "capability", "capabilities"),
+        ]
+        return f"{', '.join(counts[:-1])} and {counts[-1]}"
+
+    @property
     def capabilities_unrecorded(self) -> bool:
         """Some capability or declaration is not what the action log recorded."""
         return any(broken.what == "capability" for broken in self.breaks)
+
+
+def counted(number: int, noun: str, plural: str = "") -> str:
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 def _link_breaks(invocation_id: str, events: list[Event]) -> Iterator[Break]:
@@ -314,7 +333,7 @@ def verify(
     through the retry policy, check every seal and every action of the action log in
     the range, every capability against the action log and (optionally) every
     projection; collect each break, first per invocation."""
-    report = Report()
+    report = Report(projections_checked=projections)
     window = time_window(since, until)
     touched = Event.objects.filter(window).values("invocation_id").distinct()
     _check_chains(report, Event.objects.filter(invocation__in=touched), projections=projections)

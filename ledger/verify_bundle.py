@@ -142,6 +142,10 @@ def verify(folder: Path, trusted: Iterable[str] = ()) -> tuple[list[str], int]:
     return problems, anchored
 
 
+def _counted(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ledger.verify_bundle")
     parser.add_argument("bundle", type=Path)
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     events = len(_lines(args.bundle / "events.jsonl"))
     seals = len(_lines(args.bundle / "seals.jsonl"))
-    print(f"OK: {events} events and {seals} seals verified")
+    print(f"OK: {_counted(events, 'event')} and {_counted(seals, 'seal')} verified")
     if args.seal:
         print(f"anchored: {anchored} of {events} events are sealed by the given seal(s)")
     else:

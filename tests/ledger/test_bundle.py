@@ -55,7 +55,7 @@ def forge(folder: Path, name: str, text: str) -> None:
 def test_an_exported_bundle_verifies_offline(bundle: Path) -> None:
     result = verify(bundle)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines()[0] == "OK: 7 events and 1 seals verified"
+    assert result.stdout.splitlines()[0] == "OK: 7 events and 1 seal verified"
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert set(manifest["files"]) == {"events.jsonl", "seals.jsonl"}
 
@@ -103,7 +103,7 @@ def test_one_invocations_bundle_carries_its_whole_chain(bundle: Path, tmp_path: 
     call_command("export_bundle", str(folder), invocation="inv-2")
     result = verify(folder)
     assert result.returncode == 0, result.stdout
-    assert result.stdout.splitlines()[0] == "OK: 3 events and 1 seals verified"
+    assert result.stdout.splitlines()[0] == "OK: 3 events and 1 seal verified"
 
 
 def test_a_chain_sealed_in_seals_apart_verifies(bundle: Path, api: Api, tmp_path: Path) -> None:

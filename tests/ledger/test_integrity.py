@@ -63,7 +63,7 @@ def test_an_untouched_ledger_verifies_clean(ledger: Api) -> None:
     assert report.ok, report.breaks
     assert (report.invocations, report.events, report.seals) == (4, 10, 1)
     output = verify_command("--projections")
-    assert output.startswith("OK: 4 invocations, 10 events, 1 seals")
+    assert output.startswith("OK: 4 invocations, 10 events, 1 seal")
     seal = Seal.objects.get()
     assert f"newest seal: {seal.hash} (sequence 1-9)" in output
 
@@ -639,8 +639,8 @@ def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
     client.force_login(reviewer)
     clean = client.get("/audit/verify/", {"run": "1"}).content.decode()
     assert (
-        "OK: 4 invocations, 10 events, 1 seals, 4 projections, 1 admin actions and "
-        "1 capabilities verified." in clean
+        "OK: 4 invocations, 10 events, 1 seal, 4 projections, 1 admin action and "
+        "1 capability verified." in clean
     )
     assert f"Newest seal verified: <code>{Seal.objects.get().hash}</code>" in clean
     with override_settings(LEDGER_VERIFY_PAGE_MAX_EVENTS=9):
@@ -648,7 +648,7 @@ def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
         assert "More than 9 events in this range" in too_many and "verified." not in too_many
         since = Event.objects.get(invocation__invocation_id="inv-4").created_at
         narrowed = client.get("/audit/verify/", {"run": "1", "since": since.isoformat()})
-        assert "OK: 1 invocations, 1 events, 0 seals" in narrowed.content.decode()
+        assert "OK: 1 invocation, 1 event, 0 seals" in narrowed.content.decode()
     mistyped = client.get("/audit/verify/", {"run": "1", "since": "yesterday"}).content.decode()
     assert "since: Enter a valid date/time." in mistyped
     assert "verified." not in mistyped  # not the whole ledger instead of the range

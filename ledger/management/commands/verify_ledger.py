@@ -32,11 +32,6 @@ class Command(BaseCommand):
         report = verify(since=since, until=until, projections=projections)
         for broken in report.breaks:
             self.stdout.write(f"BROKEN {broken}")
-        summary = (
-            f"{report.invocations} invocations, {report.events} events, {report.seals} seals"
-            + (f", {report.projections} projections" if projections else "")
-            + f", {report.admin_actions} admin actions, {report.capabilities} capabilities"
-        )
         if report.projections_broken:
             self.stdout.write(
                 "A row that disagrees with intact events is put back from them by "
@@ -47,8 +42,8 @@ class Command(BaseCommand):
         if report.capabilities_unrecorded:
             self.stdout.write(CAPABILITY_ADVICE)
         if not report.ok:
-            raise CommandError(f"{len(report.breaks)} broken link(s) in {summary}")
-        self.stdout.write(f"OK: {summary} verified")
+            raise CommandError(f"{len(report.breaks)} broken link(s) in {report.summary}")
+        self.stdout.write(f"OK: {report.summary} verified")
         if report.newest_seal is not None:
             seal = report.newest_seal
             self.stdout.write(
