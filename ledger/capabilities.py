@@ -114,8 +114,19 @@ def settings_of(capability: Capability) -> dict[str, Any]:
     return {name: getattr(capability, name) for name in SETTINGS}
 
 
-# What a capability's settings are before anyone changes them.
+# What a capability's settings are before anyone changes them, and what a row the
+# registry never made a declaration for would say of the declared fields.
 DEFAULT_SETTINGS = settings_of(Capability())
+UNDECLARED_FIELDS = declared_fields_of(Capability())
+
+
+def settings_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each setting `after` gives another value than `before`, `from` and `to`."""
+    return {
+        name: {"from": before[name], "to": after[name]}
+        for name in SETTINGS
+        if name in after and before[name] != after[name]
+    }
 
 
 class ReasonRequired(ValueError):
@@ -139,11 +150,7 @@ def capability_settings_change(
         setattr(capability, name, value)
     capability.full_clean(exclude=[*DECLARED_FIELDS, "scope", "declaration", "version"])
     after = settings_of(capability)
-    changed = {
-        name: {"from": before[name], "to": after[name]}
-        for name in SETTINGS
-        if before[name] != after[name]
-    }
+    changed = settings_changes(before, after)
     if not changed:
         return {}
     if not reason.strip():

@@ -4,7 +4,7 @@ from typing import Any
 
 from django import forms
 
-from ledger.capabilities import SETTINGS
+from ledger.capabilities import SETTINGS, settings_changes, settings_of
 from ledger.models import Capability
 
 
@@ -33,11 +33,7 @@ class CapabilitySettingsForm(forms.ModelForm):
         cleaned = super().clean() or {}
         # Against the row (not changed_data, which trusts the initial values the
         # browser posts back): what the registry will record as changed.
-        changed = [
-            name
-            for name in SETTINGS
-            if name in cleaned and cleaned[name] != getattr(self.instance, name)
-        ]
+        changed = settings_changes(settings_of(self.instance), cleaned)
         if changed and not cleaned.get("reason", "").strip():
             self.add_error(
                 "reason",

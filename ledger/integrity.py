@@ -432,9 +432,6 @@ CAPABILITY_ADVICE = (
 )
 
 
-UNDECLARED_FIELDS = capabilities.declared_fields_of(Capability())
-
-
 def _check_capabilities(report: Report) -> None:
     """Check every declaration, and every capability row, against what the action log
     recorded of the registry (ledger.capabilities): the declarations' digests, the
@@ -479,7 +476,7 @@ def _check_capabilities(report: Report) -> None:
             if registration
             # No declaration registered: only the registry makes capabilities, so a
             # row it did not make is one with nothing to govern by.
-            else {"version": 0, "declaration": chain.digest({}), **UNDECLARED_FIELDS}
+            else {"version": 0, "declaration": chain.digest({}), **capabilities.UNDECLARED_FIELDS}
         )
         recorded_row.update(settings.get(capability.scope, capabilities.DEFAULT_SETTINGS))
         row = {
