@@ -600,6 +600,35 @@ class SealedEvent(models.Model):
         return f"#{self.sequence}: {self.event_id}"  # type: ignore[attr-defined]
 
 
+class RateWatch(models.Model):
+    """How far the rate-limit watch has read the sealed events for one capability that
+    declares `execution.rate_limit`, and the admissions it remembers to judge the next
+    ones by (`ledger.rate_limits`).
+
+    Not evidence: each breach it finds is recorded as an event of its invocation. A
+    watch starts at the newest seal when its capability declares a limit, and stops
+    when the limit is withdrawn: admissions made while none was declared are never
+    judged against one declared later.
+    """
+
+    scope = models.CharField(max_length=160, primary_key=True)
+    # The last sealed event (SealedEvent.sequence) read.
+    through_sequence = models.BigIntegerField()
+    # The newest admissions read, at most the declared count, none older than one
+    # window before the newest: all a sliding window needs of the past.
+    admissions = ArrayField(models.DateTimeField(), default=list, blank=True)
+    # Breaches found whose invocation the ledger refused to change (its row was changed
+    # outside the ledger): each run tries them again, until an admin restores the row.
+    unrecorded = models.JSONField(default=list, blank=True)
+    # False once the capability withdrew its limit: the row stays only while breaches
+    # found under the limit wait to be recorded.
+    watching = models.BooleanField(default=True)
+    started_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"rate watch of {self.scope} through #{self.through_sequence}"
+
+
 class VerificationPass(models.Model):
     """One background pass of verify_ledger over the whole ledger, a slice per run of
     beat's task (`ledger.integrity.verify_next_slice`): every chain, its replay through

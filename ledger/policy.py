@@ -52,6 +52,9 @@ class Flag(StrEnum):
     # Its evidence names a business reference other invocations' evidence names: one
     # effect counted for two intents, or a mistyped reference.
     REFERENCE_SHARED = "reference_shared"
+    # One of its attempts was admitted beyond its capability's declared
+    # `execution.rate_limit` (`ledger.rate_limits`): the ledger admits it all the same.
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 
 
 class Cause(StrEnum):
@@ -431,7 +434,8 @@ RECORDED_HINTS = ("readonly", "idempotency_verified", "max_attempts")
 
 # The flags a service sets beside a rule, by the kind of event that records them:
 # what the capability lacked at the intent, a claim contradicting the recorded
-# outcome, a business reference other invocations' evidence names. Any other event
+# outcome, a business reference other invocations' evidence names, an attempt
+# admitted beyond the capability's declared rate. Any other event
 # adding a flag no rule adds is a history no service wrote.
 FLAGS_BESIDE_A_RULE: Mapping[str, frozenset[Flag]] = {
     "intent_recorded": frozenset({Flag.UNDECLARED, Flag.APPROVAL_MISSING}),
@@ -441,6 +445,7 @@ FLAGS_BESIDE_A_RULE: Mapping[str, frozenset[Flag]] = {
     "probe_run": frozenset({Flag.REFERENCE_SHARED}),
     "resolution": frozenset({Flag.REFERENCE_SHARED}),
     "resolution_approved": frozenset({Flag.REFERENCE_SHARED}),
+    "rate_limit_exceeded": frozenset({Flag.RATE_LIMIT_EXCEEDED}),
 }
 
 

@@ -343,6 +343,9 @@ LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60, minim
 # ledger as it was when it started, then the next one starts.
 LEDGER_VERIFY_INTERVAL_SECONDS = env_int("LEDGER_VERIFY_INTERVAL_SECONDS", 60, minimum=1)
 LEDGER_VERIFY_SLICE = env_int("LEDGER_VERIFY_SLICE", 2000, minimum=1)
+# The rate-limit watch reads what the sealer numbered since its last run, so it sees
+# an admission up to one seal interval plus one of its own after it was made.
+LEDGER_RATE_WATCH_INTERVAL_SECONDS = env_int("LEDGER_RATE_WATCH_INTERVAL_SECONDS", 60, minimum=1)
 # The console's Verify page checks at most this many events in one request (about 20 s
 # at the ~10,000 events/s measured); `manage.py verify_ledger` has no limit.
 LEDGER_VERIFY_PAGE_MAX_EVENTS = env_int("LEDGER_VERIFY_PAGE_MAX_EVENTS", 200_000, minimum=1)
@@ -357,6 +360,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "ledger.tasks.verify_next_slice_of_the_ledger",
         "schedule": float(LEDGER_VERIFY_INTERVAL_SECONDS),
         "options": {"expires": float(LEDGER_VERIFY_INTERVAL_SECONDS)},
+    },
+    "watch-rate-limits": {
+        "task": "ledger.tasks.watch_declared_rate_limits",
+        "schedule": float(LEDGER_RATE_WATCH_INTERVAL_SECONDS),
+        "options": {"expires": float(LEDGER_RATE_WATCH_INTERVAL_SECONDS)},
     },
     "sweep-overdue-attempts": {
         "task": "reconciliation.tasks.sweep_overdue_attempts",

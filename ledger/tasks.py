@@ -6,6 +6,7 @@ from celery import shared_task
 from django.conf import settings
 
 from ledger.integrity import seal_events, verify_next_slice
+from ledger.rate_limits import watch_rate_limits
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +39,11 @@ def verify_next_slice_of_the_ledger() -> None:
     pass checks the next LEDGER_VERIFY_SLICE invocations and the seals that follow,
     logging each break it finds (`ledger.integrity.verify_next_slice`)."""
     verify_next_slice(invocations=settings.LEDGER_VERIFY_SLICE)
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def watch_declared_rate_limits() -> int:
+    """Beat runs this every LEDGER_RATE_WATCH_INTERVAL_SECONDS: the admissions sealed
+    since the last run, judged against their capabilities' declared rate limits
+    (`ledger.rate_limits`); returns how many invocations it flagged."""
+    return len(watch_rate_limits().flagged)

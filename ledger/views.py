@@ -40,7 +40,7 @@ from ledger.integrity import (
     verify,
 )
 from ledger.metrics import exposition
-from ledger.models import AdminAction, Capability, CapabilityDeclaration, Event
+from ledger.models import AdminAction, Capability, CapabilityDeclaration, Event, RateWatch
 from ledger.permissions import READERS, fragment, role_required
 
 logger = logging.getLogger(__name__)
@@ -249,6 +249,7 @@ def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
         "capability": capability,
         "history": capability_history(scope),
         "declarations": capability.declarations.order_by("-version"),
+        "rate_watch": RateWatch.objects.filter(scope=scope).first(),
         "defaults": {
             "timeout_ms": settings.LEDGER_DEFAULT_TIMEOUT_MS,
             "grace_ms": settings.LEDGER_DEFAULT_GRACE_MS,

@@ -351,7 +351,7 @@ def test_the_capability_page_shows_what_is_in_force_and_how_it_came_to_be(db: No
     for shown in (
         "<dt>declaration</dt><dd>v2</dd>",
         "<dt>risk</dt><dd>medium</dd>",
-        "<dt>rate limit</dt><dd>10 per 1m, as declared:",
+        "<dt>rate limit</dt><dd>10 per 1m, as declared: the ledger admits every attempt",
         "<dt>timeout</dt><dd>2000 ms</dd>",
         "<dt>idempotency verified</dt><dd>yes</dd>",
         "<dt>maximum attempts</dt><dd>5 (the default)</dd>",

@@ -17,11 +17,11 @@ from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from ledger.models import Capability, Invocation, VerificationPass
+from ledger.models import Capability, Event, Invocation, RateWatch, VerificationPass
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
-from tests.conftest import LOG_RECORD, LOG_TIME, Api, wait_for
+from tests.conftest import LOG_RECORD, LOG_TIME, Api, registered, wait_for
 from tests.reconciliation.conftest import Workers, perform_refund, status_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -193,6 +193,22 @@ def test_the_demo_runs_its_traffic_and_everything_settles(
     assert "outcome lost after refund   succeeded       reconciled_effect_present   1" in report
     assert "crash before refund         retry_allowed   reconciled_effect_absent    0" in report
     assert "business refuses            failed          business_rejected           0" in report
+
+
+def test_beat_flags_an_attempt_admitted_beyond_the_declared_rate(
+    api: Api, workers: Workers, tmp_path: Path
+) -> None:
+    """Beat seals, then the watch reads what was sealed: the third refund admitted within
+    the hour, against a declared two, is flagged with no call but the runtime's."""
+    registered("refund.create", rate_limit={"count": 2, "window": "1h"})
+    workers.start()
+    workers.beat(tmp_path, LEDGER_SEAL_INTERVAL_SECONDS="1", LEDGER_RATE_WATCH_INTERVAL_SECONDS="1")
+    wait_for(RateWatch.objects.exists)  # the watch started: what follows is judged
+    for n in (1, 2, 3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    wait_for(lambda: Event.objects.filter(kind="rate_limit_exceeded").exists())
+    flagged = Invocation.objects.filter(flags__contains=["rate_limit_exceeded"])
+    assert list(flagged.values_list("invocation_id", flat=True)) == ["inv-3"]
 
 
 def test_metrics_report_a_killed_beat_and_its_return(

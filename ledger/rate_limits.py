@@ -1,0 +1,285 @@
+"""The rate-limit watch: attempts admitted beyond a capability's declared rate.
+
+ACC v1 lets a capability declare `execution.rate_limit` (`count` per `window`). The
+ledger does not refuse an admission for it: counting admissions at admission time
+would serialize every admission of the capability on the one path kept to a single
+statement. Instead beat's task reads the events the sealer has numbered since it last
+read, and each attempt admitted when `count` others of the same capability had been
+admitted within the `window` before it (a sliding window, by the ledger's clock, across
+every runtime: the limit is the business system's) flags its invocation
+`rate_limit_exceeded`, with an event saying which attempt and how many were admitted
+in that window. Compliance finds them by that flag.
+
+The watch follows the seal sequence, so each committed admission is judged once, and
+its cursor moves in the transaction that records what it found: a run killed halfway
+records nothing, and the next run reads the same events again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime as dt
+import itertools
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import Max
+
+from ledger import policy
+from ledger.models import Capability, Invocation, RateWatch, Seal, SealedEvent
+from ledger.services import LedgerError, invocation_transitions
+
+log = logging.getLogger(__name__)
+
+WATCH = "ledger:rate_watch"
+# Sealed admissions read in one run; a run that reads this many leaves the rest to the
+# next one.
+BATCH = 50_000
+# Breaches recorded in one write.
+FLAGS_PER_WRITE = 500
+
+WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
+UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    count: int
+    window: dt.timedelta
+    declared: Mapping[str, Any]
+
+    @classmethod
+    def declared_by(cls, declaration: Mapping[str, Any]) -> RateLimit | None:
+        """The rate limit an ACC declaration sets, or None. Declarations are valid
+        against the schema when registered, which fixes the shape read here."""
+        execution = declaration.get("execution")
+        declared = execution.get("rate_limit") if isinstance(execution, Mapping) else None
+        if not isinstance(declared, Mapping):
+            return None
+        match = WINDOW.match(str(declared.get("window", "")))
+        count = declared.get("count")
+        if match is None or type(count) is not int or count < 1:
+            return None
+        window = dt.timedelta(**{UNITS[match[2]]: int(match[1])})
+        return cls(count=count, window=window, declared=dict(declared))
+
+
+@dataclass(frozen=True)
+class Admission:
+    at: dt.datetime
+    invocation_id: str
+    attempt_id: str
+
+
+@dataclass(frozen=True)
+class Breach:
+    admission: Admission
+    # Admissions of the capability in the window that ends at this one, itself included.
+    in_window: int
+
+    def as_entry(self, scope: str, limit: RateLimit) -> dict[str, Any]:
+        """The breach as it waits to be recorded (JSON: RateWatch.unrecorded keeps it)."""
+        return {
+            "scope": scope,
+            "rate_limit": dict(limit.declared),
+            "invocation_id": self.admission.invocation_id,
+            "attempt_id": self.admission.attempt_id,
+            "admitted_at": self.admission.at.isoformat(),
+            "admitted_in_window": self.in_window,
+        }
+
+
+def breaches(
+    earlier: Sequence[dt.datetime], admissions: Sequence[Admission], limit: RateLimit
+) -> tuple[list[Breach], list[dt.datetime]]:
+    """The admissions, in time order, that `limit` was exceeded by, given the `earlier`
+    admission times of the capability; and the times to remember for the next call.
+
+    An admission at `t` exceeds the limit when more than `count` admissions, itself
+    included, fall in the window (t - window, t]. Judging later ones needs no more of
+    the past than the newest `count` times within one window of the newest.
+    """
+    times = sorted(earlier)
+    found = []
+    for admission in sorted(admissions, key=lambda a: a.at):
+        bisect.insort(times, admission.at)
+        in_window = bisect.bisect_right(times, admission.at) - bisect.bisect_right(
+            times, admission.at - limit.window
+        )
+        if in_window > limit.count:
+            found.append(Breach(admission, in_window))
+    if not times:
+        return found, []
+    oldest_needed = times[-1] - limit.window
+    return found, [t for t in times[-limit.count :] if t > oldest_needed]
+
+
+@dataclass(frozen=True)
+class Watched:
+    through_sequence: int
+    admissions: int
+    breaches: int
+    flagged: list[str]
+    unrecorded: int
+
+
+def watch_rate_limits(*, batch: int = BATCH) -> Watched:
+    """Judge the admissions sealed since the last run against their capabilities'
+    declared rate limits, and flag the invocations of those beyond them."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.watch_rate_limits'))")
+        sealed = Seal.objects.aggregate(last=Max("last_sequence"))["last"] or 0
+        limits = _declared_limits()
+        watches = RateWatch.objects.in_bulk()
+        for scope in limits.keys() - watches.keys():
+            watches[scope] = RateWatch(scope=scope, through_sequence=sealed, watching=False)
+        for scope, watch in watches.items():
+            if (scope in limits) != watch.watching:
+                # A limit declared, or withdrawn: the watch (re)starts at the newest seal,
+                # so admissions made while none was declared are never judged by one.
+                watch.watching, watch.through_sequence, watch.admissions = False, sealed, []
+        watching = {scope: watch for scope, watch in watches.items() if scope in limits}
+        read = _sealed_admissions(watching, sealed, batch)
+        through = read[-1][0] if len(read) == batch else sealed
+        found: list[dict[str, Any]] = []
+        for scope, watch in watching.items():
+            new = [
+                Admission(at, invocation_id, attempt_id)
+                for sequence, at, invocation_id, of_scope, attempt_id in read
+                if of_scope == scope and sequence > watch.through_sequence
+            ]
+            exceeded, watch.admissions = breaches(watch.admissions, new, limits[scope])
+            found += [breach.as_entry(scope, limits[scope]) for breach in exceeded]
+            watch.watching = True
+            watch.through_sequence = max(watch.through_sequence, through)
+        # Breaches found before a limit was withdrawn are still recorded.
+        waiting = [entry for watch in watches.values() for entry in watch.unrecorded]
+        refused = _record(waiting, found)
+        for watch in watches.values():
+            watch.unrecorded = [entry for entry in refused if entry["scope"] == watch.scope]
+        _save(watches.values())
+    flagged = {e["invocation_id"] for e in waiting + found} - {e["invocation_id"] for e in refused}
+    if found or waiting:
+        log.info(
+            "rate watch through_sequence=%d breaches=%d flagged=%d unrecorded=%d",
+            through, len(found), len(flagged), len(refused),
+        )  # fmt: skip
+    return Watched(
+        through_sequence=through,
+        admissions=len(read),
+        breaches=len(found),
+        flagged=sorted(flagged),
+        unrecorded=len(refused),
+    )
+
+
+def _save(watches: Iterable[RateWatch]) -> None:
+    """Keep the watches of declared limits, and of withdrawn ones only while breaches
+    found under them wait to be recorded."""
+    kept = [watch for watch in watches if watch.watching or watch.unrecorded]
+    RateWatch.objects.exclude(scope__in=[watch.scope for watch in kept]).delete()
+    RateWatch.objects.bulk_create(
+        kept,
+        update_conflicts=True,
+        unique_fields=["scope"],
+        update_fields=["through_sequence", "admissions", "unrecorded", "watching"],
+    )
+
+
+def _declared_limits() -> dict[str, RateLimit]:
+    declaring = Capability.objects.filter(declaration__execution__has_key="rate_limit")
+    return {
+        scope: limit
+        for scope, declaration in declaring.values_list("scope", "declaration")
+        if (limit := RateLimit.declared_by(declaration)) is not None
+    }
+
+
+type SealedAdmission = tuple[int, dt.datetime, str, str, str]
+
+
+def _sealed_admissions(
+    watches: Mapping[str, RateWatch], sealed: int, batch: int
+) -> list[SealedAdmission]:
+    """The admissions of the watched capabilities sealed after the furthest-behind
+    watch's cursor, in seal order: sequence, time, invocation, scope and attempt."""
+    if not watches:
+        return []
+    since = min(watch.through_sequence for watch in watches.values())
+    rows = (
+        SealedEvent.objects.filter(
+            sequence__gt=since,
+            sequence__lte=sealed,
+            event__kind="attempt_admitted",
+            event__invocation__capability_scope__in=list(watches),
+        )
+        .order_by("sequence")
+        .values_list(
+            "sequence",
+            "event__created_at",
+            "event__invocation__invocation_id",
+            "event__invocation__capability_scope",
+            "event__data__attempt_id",
+        )[:batch]
+    )
+    return list(rows)
+
+
+def _record(waiting: list[dict[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flag the invocations of these breaches, one event each listing its attempts;
+    the breaches the ledger refused to record (their invocation's row was changed
+    outside it), to try again next run."""
+    by_invocation: dict[str, list[dict[str, Any]]] = {}
+    for entry in waiting + found:
+        by_invocation.setdefault(entry["invocation_id"], []).append(entry)
+    refused: list[dict[str, Any]] = []
+    for unit in itertools.batched(by_invocation, FLAGS_PER_WRITE):
+        for invocation_id, error in _flag(list(unit), by_invocation):
+            entries = by_invocation[invocation_id]
+            refused += entries
+            if any(entry in found for entry in entries):
+                log.error(
+                    "rate watch could not flag invocation=%s error=%s: %s",
+                    invocation_id, error.type, error.message,
+                )  # fmt: skip
+    return refused
+
+
+def _flag(
+    invocation_ids: list[str], by_invocation: Mapping[str, list[dict[str, Any]]]
+) -> list[tuple[str, LedgerError]]:
+    """Flag the invocations in one write; those the ledger refused, with why. A refused
+    unit is tried again one invocation at a time, so that one refused row does not hold
+    up the rest."""
+    try:
+        with transaction.atomic():
+            invocation_transitions(
+                invocation_ids=invocation_ids,
+                actor=WATCH,
+                kind="rate_limit_exceeded",
+                change=lambda invocation: _flagged(
+                    invocation, by_invocation[invocation.invocation_id]
+                ),
+            )
+    except LedgerError as error:
+        if len(invocation_ids) == 1:
+            return [(invocation_ids[0], error)]
+        return [refused for one in invocation_ids for refused in _flag([one], by_invocation)]
+    return []
+
+
+def _flagged(invocation: Invocation, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Flag the invocation: the data of the event recording its breaches."""
+    invocation.apply_state(policy.with_flag(invocation.state(), policy.Flag.RATE_LIMIT_EXCEEDED))
+    return {
+        "rate_limit": entries[0]["rate_limit"],
+        "attempts": [
+            {name: entry[name] for name in ("attempt_id", "admitted_at", "admitted_in_window")}
+            for entry in entries
+        ],
+    }
