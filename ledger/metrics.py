@@ -25,10 +25,13 @@ several workers would each hold a different part of.
   that does not verify) found by the last finished background verification pass and
   so far by the running one, and `ledger_verification_finished_timestamp_seconds`,
   when the last pass finished;
-- `ledger_background_behind{work}`: 1 when the sweeper, the sealer or the verifier
-  has fallen behind by the rules of `BackgroundWork`, which the console's dashboard
-  shows too. A row the sweep refuses does not count: it waits for an admin, not for
-  beat.
+- `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier or
+  the rate watch has fallen behind by the rules of `BackgroundWork`, which the
+  console's dashboard shows too. A row the sweep refuses does not count: it waits for
+  an admin, not for beat;
+- `ledger_rate_limit_breaches_unrecorded`: attempts the rate watch found admitted
+  beyond a declared rate limit whose invocations' rows were changed outside the
+  ledger, so that they wait for an admin before they can be flagged.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Count, Min, TextField, Value
+from django.db.models import Count, Func, IntegerField, Min, Q, Sum, TextField, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -48,7 +51,14 @@ from prometheus_client.registry import Collector
 
 from ledger import policy
 from ledger.integrity import newest_passes
-from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation, Seal, VerificationPass
+from ledger.models import (
+    NAMES_A_SHARED_REFERENCE,
+    Event,
+    Invocation,
+    RateWatch,
+    Seal,
+    VerificationPass,
+)
 from ledger.services import rows_disagreeing, with_heads
 
 RECENT = dt.timedelta(hours=1)
@@ -57,6 +67,7 @@ RECENT = dt.timedelta(hours=1)
 MISSED_SWEEPS = 12
 MISSED_SEALS = 10
 MISSED_VERIFICATIONS = 10
+MISSED_RATE_WATCHES = 10
 # The overdue rows read, oldest first, to find the oldest that the sweep can flag: rows
 # it refuses (changed outside the ledger, waiting for an admin) are rare.
 OVERDUE_READ = 20
@@ -72,6 +83,10 @@ def sealer_slack() -> dt.timedelta:
 
 def verifier_slack() -> dt.timedelta:
     return dt.timedelta(seconds=MISSED_VERIFICATIONS * settings.LEDGER_VERIFY_INTERVAL_SECONDS)
+
+
+def rate_watch_slack() -> dt.timedelta:
+    return dt.timedelta(seconds=MISSED_RATE_WATCHES * settings.LEDGER_RATE_WATCH_INTERVAL_SECONDS)
 
 
 def _seconds_since(then: dt.datetime | None, now: dt.datetime) -> float:
@@ -95,6 +110,12 @@ class BackgroundWork:
     # The background verification passes: the one running, and the last one finished.
     running_pass: VerificationPass | None
     finished_pass: VerificationPass | None
+    # The rate watch: the furthest-behind cursor of a declared limit's watch (None: no
+    # capability declares one), the newest seal it should have read past by now, and
+    # the breaches waiting for an admin.
+    rate_watch_through: int | None
+    sealed_a_while_ago: int | None
+    rate_breaches_unrecorded: int
 
     @property
     def for_the_sweep(self) -> int:
@@ -122,6 +143,12 @@ class BackgroundWork:
         newest = self.running_pass or self.finished_pass
         return newest is not None and self.now - newest.checked_at > verifier_slack()
 
+    @property
+    def rate_watch_behind(self) -> bool:
+        """A watch has not read past a seal made ten watch intervals ago."""
+        through, sealed = self.rate_watch_through, self.sealed_a_while_ago
+        return through is not None and sealed is not None and through < sealed
+
 
 def background_work(now: dt.datetime | None = None) -> BackgroundWork:
     now = now or timezone.now()
@@ -144,6 +171,20 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
     if newest_seal is None and newest_event is not None:
         first_event = Event.objects.order_by("created_at").values_list("created_at").first()
     running, finished = newest_passes()
+    watches = RateWatch.objects.aggregate(
+        through=Min("through_sequence", filter=Q(watching=True)),
+        unrecorded=Sum(
+            Func("unrecorded", function="jsonb_array_length", output_field=IntegerField())
+        ),
+    )
+    sealed_a_while_ago = None
+    if watches["through"] is not None:
+        sealed_a_while_ago = (
+            Seal.objects.filter(created_at__lte=now - rate_watch_slack())
+            .order_by("-last_sequence")
+            .values_list("last_sequence", flat=True)
+            .first()
+        )
     return BackgroundWork(
         now=now,
         overdue=counted["n"],
@@ -155,13 +196,17 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         oldest_unsealed_candidate_at=first_event[0] if first_event else None,
         running_pass=running,
         finished_pass=finished,
+        rate_watch_through=watches["through"],
+        sealed_a_while_ago=sealed_a_while_ago,
+        rate_breaches_unrecorded=watches["unrecorded"] or 0,
     )
 
 
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: nine statements, each on an index; one more
-    before the first seal, and one more while attempts are overdue (the oldest of
-    them, with their events, to tell those the sweep refuses)."""
+    """Reads the figures once per scrape: ten statements, each on an index; one more
+    before the first seal, one more while attempts are overdue (the oldest of them,
+    with their events, to tell those the sweep refuses), and one more while a
+    capability declares a rate limit."""
 
     def __init__(self, now: dt.datetime) -> None:
         self.now = now
@@ -247,14 +292,22 @@ class LedgerCollector(Collector):
         behind = GaugeMetricFamily(
             "ledger_background_behind",
             "1 when beat's sweeper (an attempt overdue for 12 sweep intervals), sealer "
-            "(events newer than the newest seal by 10 seal intervals) or verifier (no slice "
-            "verified for 10 intervals) is not keeping up.",
+            "(events newer than the newest seal by 10 seal intervals), verifier (no slice "
+            "verified for 10 intervals) or rate watch (a seal unread for 10 intervals) is "
+            "not keeping up.",
             labels=["work"],
         )
         behind.add_metric(["sweeper"], int(work.sweeper_behind))
         behind.add_metric(["sealer"], int(work.sealer_behind))
         behind.add_metric(["verifier"], int(work.verifier_behind))
+        behind.add_metric(["rate_watch"], int(work.rate_watch_behind))
         yield behind
+        yield GaugeMetricFamily(
+            "ledger_rate_limit_breaches_unrecorded",
+            "Attempts admitted beyond a declared rate limit, not yet flagged: their "
+            "invocations' rows were changed outside the ledger and wait for an admin.",
+            value=work.rate_breaches_unrecorded,
+        )
         verification = GaugeMetricFamily(
             "ledger_verification_breaks",
             "Breaks found by background verification: chains, replays, rows or seals that "

@@ -14,9 +14,10 @@ from ledger import metrics
 from ledger.integrity import seal_events, verify_next_slice
 from ledger.metrics import exposition
 from ledger.models import Capability, Event, Invocation, Seal
+from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from reconciliation.tasks import reconcile_invocation
-from tests.conftest import Api
+from tests.conftest import Api, registered
 from tests.ledger.conftest import superuser_sql
 
 
@@ -102,7 +103,7 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
         flagged(api, f"inv-{n}")
     seal_events()
     verify_next_slice(invocations=2)
-    with django_assert_num_queries(9):
+    with django_assert_num_queries(10):
         scrape(client)
 
 
@@ -161,9 +162,9 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    # The nine, the first event's time (no seal yet), and the oldest overdue rows
+    # The ten, the first event's time (no seal yet), and the oldest overdue rows
     # with their events.
-    with django_assert_num_queries(11):
+    with django_assert_num_queries(12):
         just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
@@ -241,6 +242,33 @@ def test_a_verifier_that_stopped_is_reported_behind(ledger: Api, settings: Setti
     assert behind(samples(exposition(now=at + dt.timedelta(minutes=11))), "verifier") == 1
     assert verify_next_slice(invocations=1, now=at + dt.timedelta(minutes=11)) is not None
     assert behind(samples(exposition(now=at + dt.timedelta(minutes=11))), "verifier") == 0
+
+
+def test_a_rate_watch_that_stopped_is_reported_behind_and_waiting_breaches_counted(
+    api: Api, settings: Settings, django_assert_num_queries: DjangoAssertNumQueries
+) -> None:
+    settings.LEDGER_RATE_WATCH_INTERVAL_SECONDS = 60
+    registered("refund.create", rate_limit={"count": 1, "window": "1h"})
+    assert behind(samples(exposition()), "rate_watch") == 0  # no watch yet
+    watch_rate_limits()
+    for n in (1, 2, 3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    sealed = seal_events()
+    assert sealed is not None
+    at = sealed.created_at
+    # The ten, the oldest overdue rows (the attempts are overdue by then), and the
+    # seal the watch should have read past.
+    with django_assert_num_queries(12):
+        assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "rate_watch") == 0
+    stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
+    assert behind(stalled, "rate_watch") == 1
+    superuser_sql(
+        "UPDATE ledger_invocation SET flags = '{undeclared}' WHERE invocation_id = 'inv-3'"
+    )
+    assert watch_rate_limits().flagged == ["inv-2"]
+    caught_up = samples(exposition(now=at + dt.timedelta(minutes=11)))
+    assert behind(caught_up, "rate_watch") == 0
+    assert caught_up[("ledger_rate_limit_breaches_unrecorded", ())] == 1
 
 
 def test_with_a_token_set_a_scrape_must_present_it(

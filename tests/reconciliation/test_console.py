@@ -18,9 +18,11 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from ledger import metrics
 from ledger.capabilities import capability_settings_change
-from ledger.integrity import verify_next_slice
+from ledger.integrity import seal_events, verify_next_slice
 from ledger.models import Capability, Invocation
+from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
@@ -549,6 +551,32 @@ def test_the_dashboard_says_when_beats_work_falls_behind(
     assert 'class="behind">Sweeper' in stalled
     assert "1 attempt past the deadline, the oldest for 2" in stalled
     assert 'class="keeping-up">Sealer' in stalled  # its first event is seconds old
+
+
+def test_the_dashboard_shows_the_rate_watch_once_a_limit_is_declared(
+    api: Api, operator: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def card() -> str:
+        page = operator.get("/dashboard/").content.decode()
+        return page.split('id="background-work"')[1].split("</section>")[0]
+
+    assert "Rate watch" not in card()
+    registered("refund.create", rate_limit={"count": 1, "window": "1h"})
+    watch_rate_limits()
+    assert "Rate watch:\n      keeping up." in card()
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    seal_events()
+    monkeypatch.setattr(metrics, "MISSED_RATE_WATCHES", 0)  # behind at once, not in 10 min
+    assert 'class="behind">Rate watch:\n      behind, a seal unread for ten intervals' in card()
+    Invocation.objects.filter(invocation_id="inv-2").update(head_hash="0" * 64)
+    watch_rate_limits()
+    caught_up = card()
+    assert "Rate watch:\n      keeping up." in caught_up
+    assert (
+        "1 attempt admitted beyond a declared rate limit waits to be flagged: their "
+        "invocations' rows were changed outside the ledger."
+    ) in caught_up
 
 
 def test_the_dashboard_names_overdue_rows_the_sweep_refuses_and_is_not_alarmed(
