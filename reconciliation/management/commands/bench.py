@@ -457,6 +457,7 @@ class Command(BaseCommand):
             sent, elapsed = run_clients(batch_rows_worker, clients, args, seconds)
             results[f"batch_rows_floor_{clients}"] = items_rate(sent, elapsed)
         results["reconciliation"] = self.reconciliation(bench_conninfo, bench_db)
+        results["rate_watch"] = self.rate_watch()
         raw1, raw8 = results["raw_1"], results["raw_8"]
         results["ratios"] = {
             "intent_p50_over_raw_p50_1_client": round(
@@ -599,6 +600,42 @@ class Command(BaseCommand):
             "probe_seconds": round(probe_seconds, 3),
             "settled_per_second": round(settled / probe_seconds, 1),
             "probe_threads": threads,
+        }
+
+    @staticmethod
+    def rate_watch() -> dict[str, Any]:
+        """Every event of this run sealed, then read by a rate watch that started before
+        the first: what a watch costs per admission. The limit is one nothing reaches,
+        so that the figure is the reading and judging alone (flagging is the sweep's
+        write, measured above)."""
+        from ledger import rate_limits
+        from ledger.integrity import seal_events
+        from ledger.models import Capability, RateWatch
+
+        started = time.perf_counter()
+        sealed = 0
+        while (seal := seal_events()) is not None:
+            sealed += seal.event_count
+        seal_seconds = time.perf_counter() - started
+        # A scratch database: the declaration is set by hand, not through the registry.
+        Capability.objects.filter(scope="refund.create").update(
+            declaration={"execution": {"rate_limit": {"count": 10**6, "window": "1s"}}}
+        )
+        RateWatch.objects.create(scope="refund.create", through_sequence=0)
+        runs: list[rate_limits.Watched] = []
+        started = time.perf_counter()
+        while not runs or runs[-1].admissions == rate_limits.BATCH:
+            runs.append(rate_limits.watch_rate_limits())
+        watch_seconds = time.perf_counter() - started
+        admissions = sum(run.admissions for run in runs)
+        return {
+            "sealed_events": sealed,
+            "seal_seconds": round(seal_seconds, 3),
+            "admissions": admissions,
+            "breaches": sum(run.breaches for run in runs),
+            "runs": len(runs),
+            "watch_seconds": round(watch_seconds, 3),
+            "admissions_per_second": round(admissions / watch_seconds, 1),
         }
 
     @staticmethod
@@ -795,5 +832,12 @@ class Command(BaseCommand):
         out(
             f"probes: {rec['settled']} settled against the stand-in in {rec['probe_seconds']} s "
             f"({rec['settled_per_second']}/s, {rec['probe_threads']} threads)"
+        )
+        watch = results["rate_watch"]
+        out(
+            f"rate watch: {watch['admissions']} sealed admissions read and judged in "
+            f"{watch['watch_seconds']} s ({watch['admissions_per_second']}/s, {watch['runs']} "
+            f"runs); sealing the run's {watch['sealed_events']} events took "
+            f"{watch['seal_seconds']} s"
         )
         out(json.dumps(results, sort_keys=True))
