@@ -19,7 +19,9 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
   and the floor of its rows: the same rows copied by one SQL statement per 1,000;
 - reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
   (time from deadline to flagged) and then probed against the stand-in payments
-  service (settled per second).
+  service (settled per second);
+- rate watch: every event of the run sealed, then read by a rate watch from the
+  first, against a limit nothing reaches (admissions read and judged per second).
 
 It prints a table, then the figures as JSON on the last line. Not a test: nothing
 here asserts a time.
