@@ -122,14 +122,18 @@ def breaches(
 class Watched:
     through_sequence: int
     admissions: int
+    # False when the run read a whole batch: more sealed admissions wait.
+    caught_up: bool
     breaches: int
     flagged: list[str]
     unrecorded: int
 
 
-def watch_rate_limits(*, batch: int = BATCH) -> Watched:
-    """Judge the admissions sealed since the last run against their capabilities'
-    declared rate limits, and flag the invocations of those beyond them."""
+def watch_rate_limits(*, batch: int | None = None) -> Watched:
+    """Judge the admissions sealed since the last run, at most `batch` (BATCH), against
+    their capabilities' declared rate limits, and flag the invocations of those beyond
+    them."""
+    batch = batch or BATCH
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.watch_rate_limits'))")
@@ -172,6 +176,7 @@ def watch_rate_limits(*, batch: int = BATCH) -> Watched:
     return Watched(
         through_sequence=through,
         admissions=len(read),
+        caught_up=len(read) < batch,
         breaches=len(found),
         flagged=sorted(flagged),
         unrecorded=len(refused),

@@ -18,12 +18,13 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from ledger import chain, services
+from ledger import chain, integrity, services
 from ledger.capabilities import capability_settings_change
 from ledger.integrity import merkle_root, seal_events, verify, verify_next_slice
 from ledger.models import (
     AdminAction,
     Attempt,
+    Capability,
     Event,
     Invocation,
     Outcome,
@@ -31,6 +32,7 @@ from ledger.models import (
     Seal,
     SealedEvent,
 )
+from ledger.tasks import seal_new_events
 from reconciliation import services as reconciliation_services
 from reconciliation.sweeper import forget_spent_probe_jobs, sweep
 from tests.conftest import ROOT, Api, intent_body, person, registered
@@ -657,3 +659,21 @@ def test_the_verify_page_names_the_first_broken_link(ledger: Api) -> None:
     )
     broken = client.get("/audit/verify/", {"run": "1"}).content.decode()
     assert "chain broken at invocation inv-2 event #2" in broken
+
+
+def test_beats_seal_task_seals_until_it_has_caught_up(
+    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full seal means more events wait: the same run seals them, rather than leaving
+    a busy ledger one more seal behind at every interval."""
+    monkeypatch.setattr(integrity, "SEAL_BATCH", 2)
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    api.intent(invocation_id="inv-3", idempotency_key="k-3")
+    assert seal_new_events.run() == 5
+    assert list(Seal.objects.order_by("last_sequence").values_list("event_count", flat=True)) == [
+        2,
+        2,
+        1,
+    ]
+    assert seal_new_events.run() == 0

@@ -17,6 +17,7 @@ from ledger import rate_limits
 from ledger.integrity import restore_projection, seal_events, verify
 from ledger.models import Capability, Event, Invocation, RateWatch
 from ledger.rate_limits import Admission, RateLimit, breaches, watch_rate_limits
+from ledger.tasks import watch_declared_rate_limits
 from tests.conftest import ROOT, Api, person, process_env, registered, wait_for
 from tests.ledger.conftest import superuser_sql
 from tests.ledger.test_faults import admin_conninfo
@@ -323,3 +324,14 @@ def test_a_breach_waiting_when_the_limit_is_withdrawn_is_still_recorded(
     admit(api, 8, 9, 10)
     seal_events()
     assert watch_rate_limits().flagged == ["inv-10"]  # inv-7's admission is not counted
+
+
+def test_beats_watch_task_reads_until_it_has_caught_up(
+    api: Api, limited: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(rate_limits, "BATCH", 2)
+    watch_rate_limits()
+    admit(api, 1, 2, 3, 4, 5)
+    seal_events()
+    assert watch_declared_rate_limits.run() == 3  # inv-3, inv-4 and inv-5, in three runs
+    assert flagged() == ["inv-3", "inv-4", "inv-5"]

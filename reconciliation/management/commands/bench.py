@@ -626,7 +626,7 @@ class Command(BaseCommand):
         RateWatch.objects.create(scope="refund.create", through_sequence=0)
         runs: list[rate_limits.Watched] = []
         started = time.perf_counter()
-        while not runs or runs[-1].admissions == rate_limits.BATCH:
+        while not runs or not runs[-1].caught_up:
             runs.append(rate_limits.watch_rate_limits())
         watch_seconds = time.perf_counter() - started
         admissions = sum(run.admissions for run in runs)
