@@ -606,12 +606,15 @@ class RateWatch(models.Model):
     ones by (`ledger.rate_limits`).
 
     Not evidence: each breach it finds is recorded as an event of its invocation. A
-    watch starts at the newest seal when its capability declares a limit, and stops
-    when the limit is withdrawn: admissions made while none was declared are never
-    judged against one declared later.
+    watch judges and counts only admissions made since the declaration that set its
+    limit was registered (`since`): admissions made while no limit, or another one, was
+    declared are never judged by this one.
     """
 
     scope = models.CharField(max_length=160, primary_key=True)
+    # The limit as declared, and since when: the registration of the declaration.
+    rate_limit = models.JSONField(default=dict, blank=True)
+    since = models.DateTimeField()
     # The last sealed event (SealedEvent.sequence) read.
     through_sequence = models.BigIntegerField()
     # The newest admissions read, at most the declared count, none older than one
@@ -623,7 +626,6 @@ class RateWatch(models.Model):
     # False once the capability withdrew its limit: the row stays only while breaches
     # found under the limit wait to be recorded.
     watching = models.BooleanField(default=True)
-    started_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:
         return f"rate watch of {self.scope} through #{self.through_sequence}"

@@ -8,7 +8,8 @@ read, and each attempt admitted when `count` others of the same capability had b
 admitted within the `window` before it (a sliding window, by the ledger's clock, across
 every runtime: the limit is the business system's) flags its invocation
 `rate_limit_exceeded`, with an event saying which attempt and how many were admitted
-in that window. Compliance finds them by that flag.
+in that window. Only admissions since the declaration that set the limit was
+registered are judged or counted. Compliance finds the flagged invocations by the flag.
 
 The watch follows the seal sequence, so each committed admission is judged once, and
 its cursor moves in the transaction that records what it found: a run killed halfway
@@ -18,6 +19,7 @@ records nothing, and the next run reads the same events again.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import datetime as dt
 import itertools
 import logging
@@ -27,10 +29,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Max
+from django.db.models import Max, OuterRef, Subquery
+from django.utils import timezone
 
 from ledger import policy
-from ledger.models import Capability, Invocation, RateWatch, Seal, SealedEvent
+from ledger.models import (
+    Capability,
+    CapabilityDeclaration,
+    Invocation,
+    RateWatch,
+    Seal,
+    SealedEvent,
+)
 from ledger.services import LedgerError, invocation_transitions
 
 log = logging.getLogger(__name__)
@@ -51,6 +61,8 @@ class RateLimit:
     count: int
     window: dt.timedelta
     declared: Mapping[str, Any]
+    # When the declaration that set it was registered.
+    since: dt.datetime | None = None
 
     @classmethod
     def declared_by(cls, declaration: Mapping[str, Any]) -> RateLimit | None:
@@ -140,14 +152,12 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
         sealed = Seal.objects.aggregate(last=Max("last_sequence"))["last"] or 0
         limits = _declared_limits()
         watches = RateWatch.objects.in_bulk()
-        for scope in limits.keys() - watches.keys():
-            watches[scope] = RateWatch(scope=scope, through_sequence=sealed, watching=False)
+        for scope, limit in limits.items():
+            watches[scope] = _started(watches.get(scope), scope, limit)
         for scope, watch in watches.items():
-            if (scope in limits) != watch.watching:
-                # A limit declared, or withdrawn: the watch (re)starts at the newest seal,
-                # so admissions made while none was declared are never judged by one.
-                watch.watching, watch.through_sequence, watch.admissions = False, sealed, []
-        watching = {scope: watch for scope, watch in watches.items() if scope in limits}
+            if scope not in limits:
+                watch.watching, watch.rate_limit, watch.admissions = False, {}, []
+        watching = {scope: watches[scope] for scope in limits}
         read = _sealed_admissions(watching, sealed, batch)
         through = read[-1][0] if len(read) == batch else sealed
         found: list[dict[str, Any]] = []
@@ -155,11 +165,10 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
             new = [
                 Admission(at, invocation_id, attempt_id)
                 for sequence, at, invocation_id, of_scope, attempt_id in read
-                if of_scope == scope and sequence > watch.through_sequence
+                if of_scope == scope and sequence > watch.through_sequence and at >= watch.since
             ]
             exceeded, watch.admissions = breaches(watch.admissions, new, limits[scope])
             found += [breach.as_entry(scope, limits[scope]) for breach in exceeded]
-            watch.watching = True
             watch.through_sequence = max(watch.through_sequence, through)
         # Breaches found before a limit was withdrawn are still recorded.
         waiting = [entry for watch in watches.values() for entry in watch.unrecorded]
@@ -183,6 +192,33 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
     )
 
 
+def _started(watch: RateWatch | None, scope: str, limit: RateLimit) -> RateWatch:
+    """The watch of a declared limit: as it was, or (re)started for a limit newly
+    declared or changed, remembering nothing from before its declaration."""
+    if watch is not None and watch.watching and watch.rate_limit == limit.declared:
+        return watch
+    since = limit.since or timezone.now()
+    if watch is None or not watch.watching:
+        # From the seals made before the declaration: they hold no admission since.
+        before = (
+            Seal.objects.filter(created_at__lt=since)
+            .order_by("-last_sequence")
+            .values_list("last_sequence", flat=True)
+            .first()
+        )
+        through = max(before or 0, watch.through_sequence if watch else 0)
+    else:
+        # A changed limit: what was read was judged by the one before.
+        through = watch.through_sequence
+    return RateWatch(
+        scope=scope,
+        rate_limit=dict(limit.declared),
+        since=since,
+        through_sequence=through,
+        unrecorded=watch.unrecorded if watch else [],
+    )
+
+
 def _save(watches: Iterable[RateWatch]) -> None:
     """Keep the watches of declared limits, and of withdrawn ones only while breaches
     found under them wait to be recorded."""
@@ -192,15 +228,30 @@ def _save(watches: Iterable[RateWatch]) -> None:
         kept,
         update_conflicts=True,
         unique_fields=["scope"],
-        update_fields=["through_sequence", "admissions", "unrecorded", "watching"],
+        update_fields=[
+            "rate_limit",
+            "since",
+            "through_sequence",
+            "admissions",
+            "unrecorded",
+            "watching",
+        ],
     )
 
 
 def _declared_limits() -> dict[str, RateLimit]:
-    declaring = Capability.objects.filter(declaration__execution__has_key="rate_limit")
+    declaring = Capability.objects.filter(declaration__execution__has_key="rate_limit").annotate(
+        registered_at=Subquery(
+            CapabilityDeclaration.objects.filter(
+                capability=OuterRef("pk"), version=OuterRef("version")
+            ).values("created_at")[:1]
+        )
+    )
     return {
-        scope: limit
-        for scope, declaration in declaring.values_list("scope", "declaration")
+        scope: dataclasses.replace(limit, since=registered_at)
+        for scope, declaration, registered_at in declaring.values_list(
+            "scope", "declaration", "registered_at"
+        )
         if (limit := RateLimit.declared_by(declaration)) is not None
     }
 

@@ -175,25 +175,37 @@ def test_other_capabilities_and_undeclared_ones_are_not_counted(
     assert (watched.admissions, watched.flagged) == (2, [])
 
 
-def test_admissions_before_a_limit_was_declared_are_never_judged_against_it(
+def test_only_admissions_since_the_limit_was_declared_are_judged_or_counted(
     api: Api, db: None
 ) -> None:
     registered("refund.create")
-    admit(api, 1, 2, 3)
-    seal_events()
-    assert watch_rate_limits().admissions == 0
+    admit(api, 1, 2, 3)  # no limit declared yet, and not sealed before the watch starts
     registered("refund.create", rate_limit={"count": 2, "window": "1h"})
-    admit(api, 4)
+    admit(api, 4, 5)  # declared, and made before the watch's first run
     seal_events()
-    watched = watch_rate_limits()  # starts at the newest seal: inv-4's is not read
-    assert (watched.admissions, watched.flagged) == (0, [])
-    admit(api, 5, 6, 7)
+    watched = watch_rate_limits()
+    assert (watched.admissions, watched.flagged) == (5, [])  # 4 and 5 alone count
+    admit(api, 6)
     seal_events()
-    assert watch_rate_limits().flagged == ["inv-7"]
-    # The limit withdrawn, the watch is dropped; declared again, it starts afresh.
+    assert watch_rate_limits().flagged == ["inv-6"]
+    # The limit withdrawn, the watch is dropped.
     registered("refund.create")
     watch_rate_limits()
     assert not RateWatch.objects.exists()
+
+
+def test_a_changed_limit_counts_afresh_from_its_declaration(api: Api, limited: Capability) -> None:
+    admit(api, 1, 2)
+    seal_events()
+    assert watch_rate_limits().flagged == []
+    registered("refund.create", rate_limit={"count": 3, "window": "1h"})
+    admit(api, 3, 4, 5)
+    seal_events()
+    assert watch_rate_limits().flagged == []  # three since the change, of three
+    admit(api, 6)
+    seal_events()
+    assert watch_rate_limits().flagged == ["inv-6"]
+    assert RateWatch.objects.get().rate_limit == {"count": 3, "window": "1h"}
 
 
 def test_a_run_that_reads_a_full_batch_leaves_the_rest_to_the_next(
@@ -316,14 +328,11 @@ def test_a_breach_waiting_when_the_limit_is_withdrawn_is_still_recorded(
     restore_projection(invocation_id="inv-3", actor="user:ada", reason="rate watch test")
     assert watch_rate_limits().flagged == ["inv-3"]
     assert not RateWatch.objects.exists()
-    # Declared again, the watch starts at the newest seal, remembering nothing.
+    # Declared again, the watch counts from the new declaration: not inv-4 to inv-6.
     registered("refund.create", rate_limit={"count": 2, "window": "1h"})
-    admit(api, 7)
+    admit(api, 7, 8, 9)
     seal_events()
-    watch_rate_limits()
-    admit(api, 8, 9, 10)
-    seal_events()
-    assert watch_rate_limits().flagged == ["inv-10"]  # inv-7's admission is not counted
+    assert watch_rate_limits().flagged == ["inv-9"]
 
 
 def test_beats_watch_task_reads_until_it_has_caught_up(

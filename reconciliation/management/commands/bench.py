@@ -619,11 +619,18 @@ class Command(BaseCommand):
         while (seal := seal_events()) is not None:
             sealed += seal.event_count
         seal_seconds = time.perf_counter() - started
-        # A scratch database: the declaration is set by hand, not through the registry.
+        # A scratch database: the declaration is set by hand, not through the registry,
+        # and the watch by hand, as if it had been declared before the first event.
+        declared = {"count": 10**6, "window": "1s"}
         Capability.objects.filter(scope="refund.create").update(
-            declaration={"execution": {"rate_limit": {"count": 10**6, "window": "1s"}}}
+            declaration={"execution": {"rate_limit": declared}}
         )
-        RateWatch.objects.create(scope="refund.create", through_sequence=0)
+        RateWatch.objects.create(
+            scope="refund.create",
+            rate_limit=declared,
+            since=dt.datetime(2000, 1, 1, tzinfo=dt.UTC),
+            through_sequence=0,
+        )
         runs: list[rate_limits.Watched] = []
         started = time.perf_counter()
         while not runs or not runs[-1].caught_up:
