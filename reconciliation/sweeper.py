@@ -6,11 +6,10 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import logging
-import math
 from collections.abc import Callable, Collection
-from time import monotonic
 
 from django.conf import settings
+from django.core.cache import cache
 from django.db.models import F, Q
 from django.utils import timezone
 
@@ -99,20 +98,15 @@ def _one(step: Callable[..., bool], invocation_id: str, now: dt.datetime | None)
 # A row the ledger refuses stays refused until an admin restores it, and beat sweeps
 # every few seconds: the same refusal is logged again only this long after (the
 # dashboard and ledger_invocations_overdue_refused count it meanwhile).
-LOG_AGAIN_AFTER_SECONDS = 600.0
-_logged_at: dict[tuple[str, ...], float] = {}
+LOG_AGAIN_AFTER_SECONDS = 600
 
 
 def _first_in_a_while(refusal: tuple[str, ...]) -> bool:
-    """Whether this process has not logged the refusal for LOG_AGAIN_AFTER_SECONDS."""
-    now = monotonic()
-    if now - _logged_at.get(refusal, -math.inf) < LOG_AGAIN_AFTER_SECONDS:
-        return False
-    if len(_logged_at) >= 10_000:  # refusals mended long ago, forgotten
-        for key in [k for k, at in _logged_at.items() if now - at >= LOG_AGAIN_AFTER_SECONDS]:
-            del _logged_at[key]
-    _logged_at[refusal] = now
-    return True
+    """Whether no sweep has logged the refusal for LOG_AGAIN_AFTER_SECONDS: remembered
+    in the cache every process shares (the database's), so that however many workers
+    sweep, the refusal is logged once."""
+    key = "sweep-refused:" + ":".join(refusal)
+    return bool(cache.add(key, True, timeout=LOG_AGAIN_AFTER_SECONDS))
 
 
 def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:

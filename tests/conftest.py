@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from django.contrib.auth.models import Group, User
+from django.core.cache import cache
 from django.db import connection, connections
 from django.test import Client
 from psycopg.pq import TransactionStatus
@@ -24,7 +25,6 @@ from ledger import acc
 from ledger.capabilities import capability_register, capability_settings_change
 from ledger.integrity import verify
 from ledger.models import Capability, Runtime, RuntimeToken
-from reconciliation import sweeper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,10 +40,17 @@ SHARED_ACC = Path(
 
 
 @pytest.fixture(autouse=True)
-def sweep_logs_afresh() -> None:
-    """Each test sees the sweep log its refusals, whatever earlier tests' sweeps
-    logged (reconciliation.sweeper logs the same refusal again only after a while)."""
-    sweeper._logged_at.clear()
+def sweep_logs_afresh(request: pytest.FixtureRequest) -> None:
+    """Each test sees the sweep log its refusals, whatever earlier tests' sweeps logged
+    (reconciliation.sweeper logs the same refusal again only after a while, remembered
+    in the database's cache table, which a transactional test's flush leaves alone)."""
+    if request.node.get_closest_marker("django_db") is None:
+        # Set up here, before this fixture touches the database, if the test asks for it.
+        asked = [name for name in ("transactional_db", "db") if name in request.fixturenames]
+        if not asked:
+            return
+        request.getfixturevalue(asked[0])
+    cache.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -4,12 +4,15 @@ real broker delivers the beat's task to a real worker."""
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.conf import settings
+from django.core.cache.backends import db as db_cache
 from django.db import connection
 from django.utils import timezone
 
@@ -20,7 +23,7 @@ from reconciliation import sweeper
 from reconciliation.models import ProbeDispatch
 from reconciliation.probes import Finding, ProbeResult
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
-from tests.conftest import Api, intent_body, wait_for
+from tests.conftest import Api, intent_body, process_env, wait_for
 from tests.reconciliation.conftest import BrokerQueue, Workers, status_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,17 +184,43 @@ def test_a_refusal_is_logged_again_only_after_a_while(
 ) -> None:
     """Beat sweeps every few seconds; a row refused until an admin restores it would
     otherwise log the same error each time."""
-    clock = [1_000_000.0]
-    monkeypatch.setattr(sweeper, "monotonic", lambda: clock[0])
+    clock = [timezone.now()]
+    monkeypatch.setattr(db_cache, "tz_now", lambda: clock[0])  # the cache's clock
     count_fewer_events("inv-2")
     now = past_deadline()
     for _ in range(3):
         sweeper.sweep(now=now)
-        clock[0] += 5
+        clock[0] += dt.timedelta(seconds=5)
     assert caplog.text.count("sweep skipped invocation=inv-2") == 1
-    clock[0] += sweeper.LOG_AGAIN_AFTER_SECONDS
+    clock[0] += dt.timedelta(seconds=sweeper.LOG_AGAIN_AFTER_SECONDS)
     sweeper.sweep(now=now)
     assert caplog.text.count("sweep skipped invocation=inv-2") == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_refusal_one_worker_logged_is_not_logged_again_by_another(
+    api: Api, refund: Capability, caplog: pytest.LogCaptureFixture
+) -> None:
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k{n}", attempt_id="a1")
+    count_fewer_events("inv-2")
+    now = past_deadline()
+    sweeper.sweep(now=now)
+    assert caplog.text.count("sweep skipped invocation=inv-2") == 1
+    another = subprocess.run(
+        [sys.executable, "-c", SWEEP_AT.format(now=now.isoformat())],
+        cwd=ROOT, env={**process_env(), "LOG_LEVEL": "INFO"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert another.returncode == 0, another.stderr
+    assert "sweep skipped" not in another.stderr
+    # It swept all the same: inv-1 was flagged by the first, and the second ran.
+    assert "sweep done" in another.stdout
+
+
+SWEEP_AT = (
+    "import datetime as dt, django; django.setup(); from reconciliation import sweeper; "
+    "sweeper.sweep(now=dt.datetime.fromisoformat('{now}')); print('sweep done')"
+)
 
 
 def test_a_whole_round_of_rows_tampered_with_does_not_stop_the_sweep(
