@@ -278,6 +278,10 @@ def test_a_breach_on_a_row_changed_outside_the_ledger_waits_until_it_is_restored
     assert (watched.flagged, watched.unrecorded) == (["inv-4"], 1)
     assert "rate watch could not flag invocation=inv-3 error=projection_broken" in caplog.text
     assert RateWatch.objects.get().unrecorded[0]["invocation_id"] == "inv-3"
+    page = person("cora", "compliance").get("/audit/capabilities/refund.create/")
+    assert "1 breach waiting to be recorded, on rows changed outside the ledger" in (
+        page.content.decode()
+    )
     # Still refused: it waits, and the watch does not log it again.
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="ledger.rate_limits"):
@@ -308,6 +312,7 @@ def test_compliance_finds_the_flagged_invocations_and_the_capability_page_says_h
     page = reviewer.get("/audit/capabilities/refund.create/").content.decode()
     assert "<dt>rate limit</dt><dd>2 per 1h, as declared:" in page
     assert f'href="/audit/?capability=refund.create&amp;flag={FLAG}"' in page
+    assert "; sealed events read through #" in page
 
 
 def test_a_breach_waiting_when_the_limit_is_withdrawn_is_still_recorded(

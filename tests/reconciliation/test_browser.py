@@ -17,8 +17,9 @@ from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_play
 from ledger.capabilities import capability_settings_change
 from ledger.integrity import verify_next_slice
 from ledger.models import Capability, Invocation
+from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
-from tests.conftest import Api
+from tests.conftest import Api, registered
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
@@ -337,6 +338,8 @@ def test_screenshots_of_the_console(
         reason="INC-4120: payments asked for fewer retries",
         max_attempts=3,
     )
+    registered("refund.create", risk_level="high", rate_limit={"count": 60, "window": "1m"})
+    watch_rate_limits()
     folder = Path(os.environ.get("LEDGER_SCREENSHOTS", tmp_path))
     page = log_in(browser, live_server.url, "olga", True)
     page.set_viewport_size({"width": 1280, "height": 800})
