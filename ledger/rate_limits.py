@@ -46,9 +46,11 @@ from ledger.services import LedgerError, invocation_transitions
 log = logging.getLogger(__name__)
 
 WATCH = "ledger:rate_watch"
-# Sealed admissions read in one run; a run that reads this many leaves the rest to the
-# next one.
-BATCH = 50_000
+# Sealed events (of every kind) one run reads through: a run with more to read leaves
+# them to the next, in the same beat task (ledger.tasks), each in its own transaction.
+# A span of sequence numbers rather than a LIMIT on the rows found, because a LIMIT let
+# PostgreSQL read the whole rest of the range, and sort it, for each batch it returned.
+BATCH = 100_000
 # Breaches recorded in one write.
 FLAGS_PER_WRITE = 500
 
@@ -134,7 +136,7 @@ def breaches(
 class Watched:
     through_sequence: int
     admissions: int
-    # False when the run read a whole batch: more sealed admissions wait.
+    # False when the run stopped a batch short of the newest seal: more events wait.
     caught_up: bool
     breaches: int
     flagged: list[str]
@@ -142,9 +144,9 @@ class Watched:
 
 
 def watch_rate_limits(*, batch: int | None = None) -> Watched:
-    """Judge the admissions sealed since the last run, at most `batch` (BATCH), against
-    their capabilities' declared rate limits, and flag the invocations of those beyond
-    them."""
+    """Judge the admissions sealed since the last run, within `batch` (BATCH) sealed
+    events of the furthest-behind watch, against their capabilities' declared rate
+    limits, and flag the invocations of those beyond them."""
     batch = batch or BATCH
     with transaction.atomic():
         with connection.cursor() as cursor:
@@ -158,8 +160,9 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
             if scope not in limits:
                 watch.watching, watch.rate_limit, watch.admissions = False, {}, []
         watching = {scope: watches[scope] for scope in limits}
-        read = _sealed_admissions(watching, sealed, batch)
-        through = read[-1][0] if len(read) == batch else sealed
+        since = min((watch.through_sequence for watch in watching.values()), default=sealed)
+        through = min(sealed, since + batch)
+        read = _sealed_admissions(watching, since, through)
         found: list[dict[str, Any]] = []
         for scope, watch in watching.items():
             new = [
@@ -185,7 +188,7 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
     return Watched(
         through_sequence=through,
         admissions=len(read),
-        caught_up=len(read) < batch,
+        caught_up=through == sealed,
         breaches=len(found),
         flagged=sorted(flagged),
         unrecorded=len(refused),
@@ -260,17 +263,16 @@ type SealedAdmission = tuple[int, dt.datetime, str, str, str]
 
 
 def _sealed_admissions(
-    watches: Mapping[str, RateWatch], sealed: int, batch: int
+    watches: Mapping[str, RateWatch], since: int, through: int
 ) -> list[SealedAdmission]:
-    """The admissions of the watched capabilities sealed after the furthest-behind
-    watch's cursor, in seal order: sequence, time, invocation, scope and attempt."""
+    """The admissions of the watched capabilities sealed in (since, through], in seal
+    order: sequence, time, invocation, scope and attempt."""
     if not watches:
         return []
-    since = min(watch.through_sequence for watch in watches.values())
     rows = (
         SealedEvent.objects.filter(
             sequence__gt=since,
-            sequence__lte=sealed,
+            sequence__lte=through,
             event__kind="attempt_admitted",
             event__invocation__capability_scope__in=list(watches),
         )
@@ -281,7 +283,7 @@ def _sealed_admissions(
             "event__invocation__invocation_id",
             "event__invocation__capability_scope",
             "event__data__attempt_id",
-        )[:batch]
+        )
     )
     return list(rows)
 

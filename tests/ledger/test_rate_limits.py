@@ -211,13 +211,12 @@ def test_a_changed_limit_counts_afresh_from_its_declaration(api: Api, limited: C
 def test_a_run_that_reads_a_full_batch_leaves_the_rest_to_the_next(
     api: Api, limited: Capability
 ) -> None:
-    watch_rate_limits()
-    admit(api, 1, 2, 3, 4)
+    admit(api, 1, 2, 3, 4)  # each an intent and an admission: sealed events 1 to 8
     seal_events()
-    first = watch_rate_limits(batch=3)
-    assert (first.admissions, first.flagged) == (3, ["inv-3"])
-    second = watch_rate_limits(batch=3)
-    assert (second.admissions, second.flagged) == (1, ["inv-4"])
+    first = watch_rate_limits(batch=6)
+    assert (first.admissions, first.flagged, first.caught_up) == (3, ["inv-3"], False)
+    second = watch_rate_limits(batch=6)
+    assert (second.admissions, second.flagged, second.caught_up) == (1, ["inv-4"], True)
 
 
 @pytest.mark.django_db(transaction=True)
