@@ -52,8 +52,8 @@ def verify_next_slice_of_the_ledger() -> None:
 def watch_declared_rate_limits() -> int:
     """Beat runs this every LEDGER_RATE_WATCH_INTERVAL_SECONDS: the admissions sealed
     since the last run, judged against their capabilities' declared rate limits
-    (`ledger.rate_limits`), a transaction per BATCH of them until it has caught up;
-    returns how many invocations it flagged."""
+    (`ledger.rate_limits`), a transaction per BATCH sealed events until it has caught
+    up; returns how many invocations it flagged."""
     flagged = 0
     while True:
         watched = rate_limits.watch_rate_limits()
