@@ -23,6 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from ledger import policy
 from ledger.api.throttling import RuntimeTokenThrottle
 from ledger.models import Capability, Runtime, RuntimeToken
 from ledger.wsgi import application
@@ -110,6 +111,16 @@ def test_the_schema_says_what_the_api_refuses(client: Any) -> None:
     assert query["after"]["minimum"] == 0 and query["task_id"]["maxLength"] == 128
     declaration = document["components"]["schemas"]["DeclarationRequest"]["properties"]
     assert declaration["declaration"]["type"] == "object"  # never null
+
+
+def test_the_schema_says_what_each_flag_means(client: Any) -> None:
+    document = client.get("/api/schema/", HTTP_ACCEPT="application/json").json()
+    schemas = document["components"]["schemas"]
+    flags = schemas["State"]["properties"]["flags"]
+    assert flags["items"] == {"$ref": "#/components/schemas/FlagsEnum"}
+    assert schemas["FlagsEnum"]["enum"] == [flag.value for flag in policy.Flag]
+    for flag in policy.Flag:
+        assert f"{flag.value}:" in flags["description"], flag
 
 
 def test_the_interactive_docs_are_served_without_a_cdn(client: Any) -> None:
