@@ -116,7 +116,6 @@ def flagged() -> list[str]:
 def test_an_admission_beyond_the_declared_rate_flags_its_invocation_once(
     api: Api, limited: Capability
 ) -> None:
-    watch_rate_limits()  # the capability declares a limit: the watch starts here
     admit(api, 1, 2, 3)
     seal_events()
     watched = watch_rate_limits()
@@ -141,7 +140,6 @@ def test_an_admission_beyond_the_declared_rate_flags_its_invocation_once(
 
 
 def test_admissions_are_judged_only_once_sealed(api: Api, limited: Capability) -> None:
-    watch_rate_limits()
     admit(api, 1, 2)
     seal_events()
     admit(api, 3)
@@ -153,7 +151,6 @@ def test_admissions_are_judged_only_once_sealed(api: Api, limited: Capability) -
 def test_retries_and_every_runtime_count_against_the_capability(
     api: Api, api_b: Api, limited: Capability
 ) -> None:
-    watch_rate_limits()
     admit(api, 1)
     api.outcome("inv-1", "a1", kind="pre_dispatch_rejected")
     assert api.attempt("inv-1", "a2")[0] == 201
@@ -166,7 +163,6 @@ def test_other_capabilities_and_undeclared_ones_are_not_counted(
     api: Api, limited: Capability
 ) -> None:
     registered("order.read", readonly=True)
-    watch_rate_limits()
     admit(api, 1, 2, scope="order.read")
     admit(api, 3, 4, scope="undeclared.thing")
     admit(api, 5, 6)
@@ -226,7 +222,7 @@ def test_a_watch_killed_halfway_records_nothing_and_the_next_run_reads_it_again(
     """A watch in its own process, flagging one invocation per write, killed with
     SIGKILL while its second flag waits on a row lock: its cursor and its flags are
     one transaction, so none is kept, and the next run records each breach once."""
-    watch_rate_limits()
+    watch_rate_limits()  # the watch's row, whose cursor the killed run must not move
     admit(api, 1, 2, 3, 4)
     seal_events()
     before = RateWatch.objects.get().through_sequence
@@ -266,7 +262,6 @@ RUN_THE_WATCH = (
 def test_a_breach_on_a_row_changed_outside_the_ledger_waits_until_it_is_restored(
     api: Api, limited: Capability, caplog: pytest.LogCaptureFixture
 ) -> None:
-    watch_rate_limits()
     admit(api, 1, 2, 3, 4)
     seal_events()
     superuser_sql(
@@ -301,7 +296,6 @@ def test_a_breach_on_a_row_changed_outside_the_ledger_waits_until_it_is_restored
 def test_compliance_finds_the_flagged_invocations_and_the_capability_page_says_how(
     api: Api, limited: Capability
 ) -> None:
-    watch_rate_limits()
     admit(api, 1, 2, 3)
     seal_events()
     watch_rate_limits()
@@ -317,7 +311,6 @@ def test_compliance_finds_the_flagged_invocations_and_the_capability_page_says_h
 def test_a_breach_waiting_when_the_limit_is_withdrawn_is_still_recorded(
     api: Api, limited: Capability
 ) -> None:
-    watch_rate_limits()
     admit(api, 1, 2, 3)
     seal_events()
     superuser_sql(
@@ -343,8 +336,8 @@ def test_beats_watch_task_reads_until_it_has_caught_up(
     api: Api, limited: Capability, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rate_limits, "BATCH", 2)
-    watch_rate_limits()
     admit(api, 1, 2, 3, 4, 5)
     seal_events()
-    assert watch_declared_rate_limits.run() == 3  # inv-3, inv-4 and inv-5, in three runs
+    # Ten sealed events, two a run: inv-3, inv-4 and inv-5 flagged in one call.
+    assert watch_declared_rate_limits.run() == 3
     assert flagged() == ["inv-3", "inv-4", "inv-5"]
