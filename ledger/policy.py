@@ -57,6 +57,24 @@ class Flag(StrEnum):
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
 
 
+# What each flag tells compliance: the API's schema and the console's invocation page
+# say it with the flag.
+FLAG_MEANINGS: Mapping[Flag, str] = {
+    Flag.UNDECLARED: "its capability was not registered at intent time",
+    Flag.APPROVAL_MISSING: "its capability required approval and none was sent",
+    Flag.EVIDENCE_CONFLICT: (
+        "evidence contradicted what was recorded (a second, different outcome for an "
+        "attempt, or a late outcome against the invocation's settled state)"
+    ),
+    Flag.REFERENCE_SHARED: (
+        "its evidence names a business reference that other invocations' evidence names"
+    ),
+    Flag.RATE_LIMIT_EXCEEDED: (
+        "an attempt was admitted beyond its capability's declared execution.rate_limit"
+    ),
+}
+
+
 class Cause(StrEnum):
     EVIDENCE_MISSING = "evidence_missing"
     EVIDENCE_REPORTED_LOST = "evidence_reported_lost"

@@ -246,12 +246,14 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     events = timeline(invocation)
     recorded = [e["event"] for e in events]
     disagreeing = disagreement(invocation, recorded, invocation.runtime)
+    state = invocation.state()
     return {
         "references": business_references(invocation, recorded),
         "invocation": invocation,
         "arguments": as_json(invocation.arguments),
         "has_probe": has_probe(invocation),
-        "state": invocation.state(),
+        "state": state,
+        "flags": [(flag, policy.FLAG_MEANINGS[flag]) for flag in sorted(state.flags)],
         "timeline": events,
         "disagreement": disagreeing,
         "can_restore": bool(disagreeing) and "admin" in user_roles,

@@ -75,15 +75,12 @@ class StateSerializer(serializers.Serializer):
         child=serializers.ChoiceField(choices=[f.value for f in policy.Flag]),
         help_text=(
             "What compliance will see about the invocation. Flags inform: the retry "
-            "decision is status, retryable and next_action. undeclared: its capability "
-            "was not registered at intent time. approval_missing: its capability "
-            "required approval and none was sent. evidence_conflict: evidence "
-            "contradicted what was recorded (a second, different outcome for an "
-            "attempt, or a late outcome against the invocation's settled state). "
-            "reference_shared: its evidence names a business reference other "
-            "invocations' evidence names. rate_limit_exceeded: an attempt was admitted "
-            "beyond its capability's declared execution.rate_limit (set by the ledger's "
-            "rate watch within minutes of the admission, so a later read may show it)."
+            "decision is status, retryable and next_action. "
+            + " ".join(
+                f"{flag.value}: {meaning}." for flag, meaning in policy.FLAG_MEANINGS.items()
+            )
+            + " The ledger's rate watch sets rate_limit_exceeded within minutes of the "
+            "admission, so a later read may show it."
         ),
     )
 

@@ -306,6 +306,11 @@ def test_compliance_finds_the_flagged_invocations_and_the_capability_page_says_h
     assert "<dt>rate limit</dt><dd>2 per 1h, as declared:" in page
     assert f'href="/audit/?capability=refund.create&amp;flag={FLAG}"' in page
     assert "; sealed events read through #" in page
+    invocation = reviewer.get("/invocations/inv-3/").content.decode()
+    assert (
+        f'<dt>flags</dt><dd><a href="/audit/?flag={FLAG}">{FLAG}</a>: an attempt was admitted '
+        "beyond its capability&#x27;s declared execution.rate_limit</dd>"
+    ) in invocation
 
 
 def test_a_breach_waiting_when_the_limit_is_withdrawn_is_still_recorded(
