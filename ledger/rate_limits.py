@@ -134,7 +134,6 @@ def breaches(
 
 @dataclass(frozen=True)
 class Watched:
-    through_sequence: int
     admissions: int
     # False when the run stopped a batch short of the newest seal: more events wait.
     caught_up: bool
@@ -186,7 +185,6 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
             through, len(found), len(flagged), len(refused),
         )  # fmt: skip
     return Watched(
-        through_sequence=through,
         admissions=len(read),
         caught_up=through == sealed,
         breaches=len(found),
