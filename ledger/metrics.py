@@ -32,6 +32,10 @@ several workers would each hold a different part of.
 - `ledger_rate_limit_breaches_unrecorded`: attempts the rate watch found admitted
   beyond a declared rate limit whose invocations' rows were changed outside the
   ledger, so that they wait for an admin before they can be flagged.
+- `ledger_event_partitions_ahead`: month partitions of the event table made for months
+  after the current one (beat keeps three; alert below one), and
+  `ledger_events_unpartitioned`: events that found no month partition and went to the
+  default one (counted up to 1,000; alert above zero). See ledger/partitions.py.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from ledger.models import (
     Seal,
     VerificationPass,
 )
+from ledger.partitions import UNPARTITIONED_COUNTED, partition_state
 from ledger.services import rows_disagreeing, with_heads
 
 RECENT = dt.timedelta(hours=1)
@@ -203,10 +208,10 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
 
 
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: ten statements, each on an index; one more
-    before the first seal, one more while attempts are overdue (the oldest of them,
-    with their events, to tell those the sweep refuses), and one more while a
-    capability declares a rate limit."""
+    """Reads the figures once per scrape: eleven statements, each on an index or the
+    catalog; one more before the first seal, one more while attempts are overdue (the
+    oldest of them, with their events, to tell those the sweep refuses), and one more
+    while a capability declares a rate limit."""
 
     def __init__(self, now: dt.datetime) -> None:
         self.now = now
@@ -328,6 +333,18 @@ class LedgerCollector(Collector):
             "ledger_seal_last_timestamp_seconds",
             "When the newest seal was made, in Unix time (0 if none yet).",
             value=work.newest_seal_at.timestamp() if work.newest_seal_at else 0.0,
+        )
+        partitioned = partition_state(now)
+        yield GaugeMetricFamily(
+            "ledger_event_partitions_ahead",
+            "Month partitions of the event table made for months after the current one (UTC).",
+            value=partitioned.months_ahead,
+        )
+        yield GaugeMetricFamily(
+            "ledger_events_unpartitioned",
+            "Events that found no month partition and are in the default one (counted up "
+            f"to {UNPARTITIONED_COUNTED}): beat has not made partitions for a while.",
+            value=partitioned.unpartitioned,
         )
         yield GaugeMetricFamily(
             "ledger_event_last_timestamp_seconds",

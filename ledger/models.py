@@ -505,7 +505,9 @@ class Event(models.Model):
     """An append-only fact, hash-chained per invocation.
 
     `hash = sha256(prev_hash ‖ canonical(event))`; PostgreSQL itself refuses UPDATE
-    and DELETE on this table (see migration 0002).
+    and DELETE on this table (see migration 0002). The table is partitioned by the
+    month its invocation was recorded in (migration 0033, ledger/partitions.py), so its
+    primary key in the database is (id, invocation_created_at); ids stay unique.
     """
 
     # Indexed through event_seq_unique.
@@ -519,10 +521,17 @@ class Event(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64)
+    # The partition key: the invocation's created_at, which nothing can change, so an
+    # invocation's events share one partition (the evidence SQL copies it, ledger/store.py).
+    invocation_created_at = models.DateTimeField(editable=False)
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["invocation", "seq"], name="event_seq_unique"),
+            # (invocation, seq): the partition key is functionally the invocation's, and
+            # PostgreSQL takes no unique index on a partitioned table without it.
+            models.UniqueConstraint(
+                fields=["invocation", "seq", "invocation_created_at"], name="event_seq_unique"
+            ),
         ]
         # The timeline of one invocation is read through event_seq_unique.
         indexes = [
@@ -593,7 +602,11 @@ class SealedEvent(models.Model):
     """
 
     sequence = models.BigIntegerField(primary_key=True)
-    event = models.OneToOneField(Event, on_delete=models.PROTECT, related_name="sealed")
+    # No foreign key in the database: one to a partitioned table would have to name its
+    # partition key. No event can be deleted from under it (migration 0002).
+    event = models.OneToOneField(
+        Event, on_delete=models.PROTECT, related_name="sealed", db_constraint=False
+    )
     seal = models.ForeignKey(Seal, on_delete=models.PROTECT, related_name="entries")
 
     def __str__(self) -> str:

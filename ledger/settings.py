@@ -346,6 +346,9 @@ LEDGER_VERIFY_SLICE = env_int("LEDGER_VERIFY_SLICE", 2000, minimum=1)
 # The rate-limit watch reads what the sealer numbered since its last run, so it sees
 # an admission up to one seal interval plus one of its own after it was made.
 LEDGER_RATE_WATCH_INTERVAL_SECONDS = env_int("LEDGER_RATE_WATCH_INTERVAL_SECONDS", 60, minimum=1)
+# The event table's month partitions are made months ahead; hourly is plenty, and a
+# run that waited too long on a lock (5 s at most) is tried again the next hour.
+LEDGER_PARTITION_INTERVAL_SECONDS = env_int("LEDGER_PARTITION_INTERVAL_SECONDS", 3600, minimum=1)
 # The console's Verify page checks at most this many events in one request (about 20 s
 # at the ~10,000 events/s measured); `manage.py verify_ledger` has no limit.
 LEDGER_VERIFY_PAGE_MAX_EVENTS = env_int("LEDGER_VERIFY_PAGE_MAX_EVENTS", 200_000, minimum=1)
@@ -365,6 +368,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "ledger.tasks.watch_declared_rate_limits",
         "schedule": float(LEDGER_RATE_WATCH_INTERVAL_SECONDS),
         "options": {"expires": float(LEDGER_RATE_WATCH_INTERVAL_SECONDS)},
+    },
+    "create-event-partitions": {
+        "task": "ledger.tasks.create_event_partitions",
+        "schedule": float(LEDGER_PARTITION_INTERVAL_SECONDS),
+        "options": {"expires": float(LEDGER_PARTITION_INTERVAL_SECONDS)},
     },
     "sweep-overdue-attempts": {
         "task": "reconciliation.tasks.sweep_overdue_attempts",

@@ -80,11 +80,14 @@ SELECT
       'invocation', i,
       'capability', (SELECT row_to_json(c) FROM ledger_capability c WHERE c.id = i.capability_id),
       -- The event the row says is its last: what a write checks the row against.
+      -- (In its invocation's month partition only; the rest are pruned as it runs.)
       'head', (SELECT json_build_object('state', e.data -> 'state', 'hash', e.hash)
-               FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = i.event_count),
+               FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = i.event_count
+                 AND e.invocation_created_at = i.created_at),
       -- And what its intent recorded of the columns fixed then, and by whom.
       'intent', (SELECT json_build_object('data', e.data, 'actor', e.actor)
-                 FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = 1),
+                 FROM ledger_event e WHERE e.invocation_id = i.id AND e.seq = 1
+                   AND e.invocation_created_at = i.created_at),
       'attempts', (SELECT coalesce(json_agg(json_build_object('attempt', a, 'outcome',
                      (SELECT row_to_json(o) FROM ledger_outcome o WHERE o.attempt_id = a.id))),
                      '[]')
@@ -103,14 +106,16 @@ SELECT
   {token_active},
   -- For each business reference an outcome names, the invocations whose evidence names
   -- it already, with their runtimes (through event_business_reference; a few events
-  -- are enough to tell).
+  -- are enough to tell). Each invocation is looked up by its id: OFFSET 0 keeps the
+  -- planner from joining them by hash, which a scan of every invocation would feed.
   (SELECT coalesce(json_object_agg(r.reference, (
       SELECT coalesce(jsonb_object_agg(i.invocation_id, i.runtime_id), '{}')
       FROM (SELECT e.invocation_id FROM ledger_event e
             WHERE (e.data -> 'business_reference') > '""'::jsonb
               AND (e.data -> 'business_reference') = to_jsonb(r.reference)
             LIMIT {named_limit}) n
-      JOIN ledger_invocation i ON i.id = n.invocation_id)), '{}')
+      CROSS JOIN LATERAL (SELECT x.invocation_id, x.runtime_id FROM ledger_invocation x
+                          WHERE x.id = n.invocation_id OFFSET 0) i)), '{}')
    FROM ledger_keys($5::text[]) AS r(reference))
 """.replace("{fingerprint}", FINGERPRINT)
     .replace("{token_active}", _token_active("$4"))
@@ -187,9 +192,9 @@ new_invocation AS (
   SELECT {_columns(INVOCATION_FIELDS, "v.")}
   FROM {_rows("ledger_invocation", rows_of("new_invocation"))}
   ON CONFLICT DO NOTHING
-  RETURNING id, invocation_id
+  RETURNING id, invocation_id, created_at
 )""")
-        touched.append("SELECT id, invocation_id FROM new_invocation")
+        touched.append("SELECT id, invocation_id, created_at FROM new_invocation")
     if updates:
         # ledger_rows, not jsonb_array_elements: counted as 100 rows, they made a
         # hash join over the whole invocation table the cheaper plan (migration 0016).
@@ -199,9 +204,9 @@ updated AS (
   UPDATE ledger_invocation i SET {assignments}
   FROM {_rows("ledger_invocation", rows_of("updated"), source="ledger_rows")}
   WHERE i.id = v.id AND i.event_count = (r.j ->> 'expected')::integer
-  RETURNING i.id, i.invocation_id
+  RETURNING i.id, i.invocation_id, i.created_at
 )""")
-        touched.append("SELECT id, invocation_id FROM updated")
+        touched.append("SELECT id, invocation_id, created_at FROM updated")
     parts.append(f"\ntouched AS ({' UNION ALL '.join(touched)})")
     if new_attempts:
         parts.append(f"""
@@ -232,8 +237,8 @@ new_outcome AS (
 )""")
     parts.append(f"""
 new_event AS (
-  INSERT INTO ledger_event (invocation_id, {_columns(EVENT_FIELDS)})
-  SELECT t.id, {_columns(EVENT_FIELDS, "v.")}
+  INSERT INTO ledger_event (invocation_id, invocation_created_at, {_columns(EVENT_FIELDS)})
+  SELECT t.id, t.created_at, {_columns(EVENT_FIELDS, "v.")}
   FROM {_rows("ledger_event", rows_of("new_event"))}
   JOIN touched t ON t.invocation_id = r.j ->> 'owner'
   RETURNING 1
@@ -648,8 +653,9 @@ def write(writes: Writes) -> None:
         if sqlstate == TOKEN_REVOKED_SQLSTATE:
             raise TokenRevoked from error
         cause = error.__cause__
+        # Raised by the partition's copy of the index: ledger_event_2026_12_event_seq_unique.
         if isinstance(cause, psycopg.errors.UniqueViolation) and (
-            cause.diag.constraint_name == "event_seq_unique"
+            (cause.diag.constraint_name or "").endswith("event_seq_unique")
         ):
             raise ProjectionBehind from error
         raise

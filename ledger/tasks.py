@@ -5,7 +5,7 @@ import logging
 from celery import shared_task
 from django.conf import settings
 
-from ledger import integrity, rate_limits
+from ledger import integrity, partitions, rate_limits
 from ledger.integrity import seal_events, verify_next_slice
 
 log = logging.getLogger(__name__)
@@ -60,3 +60,14 @@ def watch_declared_rate_limits() -> int:
         flagged += len(watched.flagged)
         if watched.caught_up:
             return flagged
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def create_event_partitions() -> list[str]:
+    """Beat runs this every LEDGER_PARTITION_INTERVAL_SECONDS: the event table's month
+    partitions through partitions.MONTHS_AHEAD months ahead (`ledger.partitions`).
+    Missing one for a while costs nothing but a warning; each run tries again."""
+    made = partitions.create_event_partitions()
+    for name in made:
+        log.info("event partition made partition=%s", name)
+    return made

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,7 +26,7 @@ def ledger(api: Api, refund: Capability) -> Api:
     return api
 
 
-def superuser_sql(sql: str, *params: str | int) -> None:
+def superuser_sql(sql: str, *params: str | int | dt.datetime | list[str]) -> None:
     """Tampering as a superuser, who can switch every trigger off for a session."""
     with connection.cursor() as cursor:
         cursor.execute("SET session_replication_role = replica")

@@ -103,7 +103,7 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
         flagged(api, f"inv-{n}")
     seal_events()
     verify_next_slice(invocations=2)
-    with django_assert_num_queries(10):
+    with django_assert_num_queries(11):
         scrape(client)
 
 
@@ -162,9 +162,9 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    # The ten, the first event's time (no seal yet), and the oldest overdue rows
+    # The eleven, the first event's time (no seal yet), and the oldest overdue rows
     # with their events.
-    with django_assert_num_queries(12):
+    with django_assert_num_queries(13):
         just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
@@ -256,9 +256,9 @@ def test_a_rate_watch_that_stopped_is_reported_behind_and_waiting_breaches_count
     sealed = seal_events()
     assert sealed is not None
     at = sealed.created_at
-    # The ten, the oldest overdue rows (the attempts are overdue by then), and the
+    # The eleven, the oldest overdue rows (the attempts are overdue by then), and the
     # seal the watch should have read past.
-    with django_assert_num_queries(12):
+    with django_assert_num_queries(13):
         assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "rate_watch") == 0
     stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "rate_watch") == 1

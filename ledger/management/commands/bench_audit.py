@@ -126,9 +126,13 @@ class Command(BaseCommand):
                 "SELECT CASE WHEN n % 10 = 1 THEN jsonb_build_object('n', n, "
                 "'business_reference', 'RF-' || n / 20) ELSE jsonb_build_object('n', n) END $$"
             )
+            # The months the invocations were recorded in get their partitions, as beat
+            # would have made them.
+            conn.execute("SELECT ledger_create_event_partitions(%s, now())", [start])
             conn.execute(
-                "INSERT INTO ledger_event (invocation_id, seq, kind, actor, data, created_at, "
-                "prev_hash, hash) SELECT i.id, 1, 'intent_recorded', "
+                "INSERT INTO ledger_event (invocation_id, invocation_created_at, seq, kind, "
+                "actor, data, created_at, prev_hash, hash) SELECT i.id, i.created_at, 1, "
+                "'intent_recorded', "
                 "CASE WHEN n % 1000 = 7 THEN 'user:olga' ELSE 'runtime:bench' END, "
                 "pg_temp.event_data(n), i.created_at, repeat('0', 64), i.head_hash "
                 "FROM ledger_invocation i, CAST(substr(i.invocation_id, 5) AS int) AS n"

@@ -262,15 +262,15 @@ WITH t AS (SELECT * FROM ledger_invocation WHERE invocation_id = %(template)s),
 new_invocation AS (
   INSERT INTO ledger_invocation ({", ".join(invocation_columns)})
   SELECT {copied} FROM t CROSS JOIN generate_series(1, %(n)s) AS g
-  RETURNING id),
+  RETURNING id, created_at),
 new_attempt AS (
   INSERT INTO ledger_attempt (invocation_id, {attempt_columns})
   SELECT n.id, {", ".join(f"a.{c}" for c, _ in ATTEMPT_FIELDS)}
   FROM new_invocation n CROSS JOIN ledger_attempt a JOIN t ON a.invocation_id = t.id
   RETURNING 1),
 new_event AS (
-  INSERT INTO ledger_event (invocation_id, {event_columns})
-  SELECT n.id, {", ".join(f"e.{c}" for c, _ in EVENT_FIELDS)}
+  INSERT INTO ledger_event (invocation_id, invocation_created_at, {event_columns})
+  SELECT n.id, n.created_at, {", ".join(f"e.{c}" for c, _ in EVENT_FIELDS)}
   FROM new_invocation n CROSS JOIN ledger_event e JOIN t ON e.invocation_id = t.id
   RETURNING 1)
 SELECT (SELECT count(*) FROM new_invocation), (SELECT count(*) FROM new_attempt),
@@ -537,9 +537,10 @@ class Command(BaseCommand):
             # refuses a row that disagrees. (Its hash is not a real one; nothing here
             # verifies chains.)
             conn.execute(
-                "INSERT INTO ledger_event (invocation_id, seq, kind, actor, data, created_at, "
-                "prev_hash, hash) "
-                "SELECT i.id, 1, 'attempt_admitted', 'bench', jsonb_build_object('state', "
+                "INSERT INTO ledger_event (invocation_id, invocation_created_at, seq, kind, "
+                "actor, data, created_at, prev_hash, hash) "
+                "SELECT i.id, i.created_at, 1, 'attempt_admitted', 'bench', "
+                "jsonb_build_object('state', "
                 "jsonb_build_object('status', i.status, 'failure_class', null, 'cause', null, "
                 "'resolution', null, 'flags', '[]'::jsonb, 'attempt_count', i.attempt_count, "
                 "'in_flight_attempt', nullif(i.in_flight_attempt, ''))), now(), "

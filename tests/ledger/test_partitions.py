@@ -1,0 +1,169 @@
+"""The event table is partitioned by the month each invocation was recorded in
+(migration 0033, ledger/partitions.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+from django.db import DataError, ProgrammingError, connection, transaction
+from django.utils import timezone
+
+from ledger import tasks
+from ledger.integrity import seal_events, verify
+from ledger.metrics import exposition
+from ledger.models import Capability, Event, Invocation
+from ledger.partitions import create_event_partitions, partition_state
+from tests.conftest import Api
+from tests.ledger.conftest import at_migration
+from tests.ledger.test_metrics import samples
+
+pytestmark = pytest.mark.django_db
+
+
+def partitions_holding(invocation_id: str) -> set[str]:
+    """The tables the invocation's events are stored in."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT DISTINCT e.tableoid::regclass::text FROM ledger_event e "
+            "JOIN ledger_invocation i ON i.id = e.invocation_id WHERE i.invocation_id = %s",
+            [invocation_id],
+        )
+        return {name for (name,) in cursor.fetchall()}
+
+
+@contextmanager
+def ledger_clock_at(at: dt.datetime) -> Iterator[None]:
+    """The ledger's clock (django.utils.timezone.now, which the services read) at `at`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(timezone, "now", lambda: at)
+        yield
+
+
+def test_an_invocations_events_stay_in_the_month_it_was_recorded_in(
+    api: Api, refund: Capability
+) -> None:
+    """The outcome comes a second into the next month, and joins its intent."""
+    recorded = dt.datetime(2025, 10, 31, 23, 59, 59, 500000, tzinfo=dt.UTC)
+    assert create_event_partitions(since=dt.datetime(2025, 10, 1, tzinfo=dt.UTC))[:2] == [
+        "ledger_event_2025_10",
+        "ledger_event_2025_11",
+    ]
+    with ledger_clock_at(recorded):
+        assert api.intent(invocation_id="inv-1", attempt_id="a1")[0] == 201
+    with ledger_clock_at(recorded + dt.timedelta(seconds=1)):
+        assert api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")[0] == 201
+
+    events = list(Event.objects.filter(invocation__invocation_id="inv-1").order_by("seq"))
+    assert [e.created_at.month for e in events] == [10] * (len(events) - 1) + [11]
+    assert {e.invocation_created_at for e in events} == {recorded}
+    assert partitions_holding("inv-1") == {"ledger_event_2025_10"}
+    status, body = api.get("/api/v1/invocations/inv-1")
+    assert status == 200 and body["status"] == "succeeded"
+    assert seal_events() is not None
+    assert verify().ok
+
+
+def test_partitions_are_made_months_ahead_once_each(db: None) -> None:
+    now = timezone.now()
+    first = (now.replace(day=1) + dt.timedelta(days=32 * 4)).strftime("ledger_event_%Y_%m")
+    second = (now.replace(day=1) + dt.timedelta(days=32 * 5)).strftime("ledger_event_%Y_%m")
+
+    assert partition_state(now).months_ahead == 3  # made by the migration
+    assert tasks.create_event_partitions() == []
+    assert create_event_partitions(months_ahead=5) == [first, second]
+    assert create_event_partitions(months_ahead=5) == []
+    assert partition_state(now).months_ahead == 5
+
+
+def test_more_than_two_years_ahead_is_refused_and_nothing_made(db: None) -> None:
+    """The function runs with its owner's rights and anyone may call it: it cannot be
+    made to fill the catalog."""
+    with pytest.raises(DataError, match="at most two years ahead"), transaction.atomic():
+        create_event_partitions(months_ahead=25)
+    assert partition_state().months_ahead == 3
+
+
+def test_events_with_no_month_partition_go_to_the_default_one_and_read_as_any(
+    api: Api, refund: Capability
+) -> None:
+    """Beat made no partition for March 2024 (it never makes past months): nothing is
+    refused; /metrics counts them; that month gets no partition later, the others do."""
+    with ledger_clock_at(dt.datetime(2024, 3, 15, 12, tzinfo=dt.UTC)):
+        assert api.intent(invocation_id="inv-1", attempt_id="a1")[0] == 201
+        assert api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")[0] == 201
+    stored = Event.objects.filter(invocation__invocation_id="inv-1").count()
+
+    assert partitions_holding("inv-1") == {"ledger_event_default"}
+    assert partition_state().unpartitioned == stored
+    figures = samples(exposition())
+    assert figures[("ledger_events_unpartitioned", ())] == stored
+    assert figures[("ledger_event_partitions_ahead", ())] == 3
+    assert api.get("/api/v1/invocations/inv-1")[1]["status"] == "succeeded"
+
+    warnings: list[str] = []
+    raw = connection.connection
+    assert isinstance(raw, psycopg.Connection)
+
+    def heard(notice: psycopg.errors.Diagnostic) -> None:
+        warnings.append(notice.message_primary or "")
+
+    raw.add_notice_handler(heard)
+    try:
+        made = create_event_partitions(since=dt.datetime(2024, 2, 1, tzinfo=dt.UTC))
+    finally:
+        raw.remove_notice_handler(heard)
+    assert made[:2] == ["ledger_event_2024_02", "ledger_event_2024_04"]
+    assert warnings == [
+        "events of 2024-03 are in ledger_event_default: no partition made for that month"
+    ]
+    assert partitions_holding("inv-1") == {"ledger_event_default"}
+    assert verify().ok
+
+
+def test_an_invocations_recorded_time_cannot_be_changed(api: Api, refund: Capability) -> None:
+    """Its events' partition key: changing it would part an invocation's events."""
+    api.intent(invocation_id="inv-1", attempt_id="a1")
+    rows = Invocation.objects.filter(invocation_id="inv-1")
+
+    with pytest.raises(ProgrammingError, match="append-only"), transaction.atomic():
+        rows.update(created_at=timezone.now() - dt.timedelta(days=40))
+    rows.update(assignee="olga")  # the rest of the row is the projection's to change
+    row = rows.get()
+    row.assignee = "petra"
+    row.save()  # saving every column, created_at unchanged among them
+    assert rows.get().assignee == "petra"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_migration_moves_every_event_into_its_months_partition_and_back(
+    api: Api, refund: Capability
+) -> None:
+    """Both ways, with a sealed ledger: ids, hashes and seals unchanged, and the events'
+    ids go on from where they were."""
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference=f"RF-{n}")
+    assert seal_events() is not None
+    before = list(Event.objects.order_by("id").values_list("id", "invocation_id", "seq", "hash"))
+
+    def kind_of_table() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT relkind FROM pg_class WHERE relname = 'ledger_event'")
+            return str(cursor.fetchone()[0])
+
+    with at_migration("0032_rate_watch"), connection.cursor() as cursor:
+        assert kind_of_table() == "r"  # a plain table again
+        cursor.execute("SELECT id, invocation_id, seq, hash FROM ledger_event ORDER BY id")
+        assert cursor.fetchall() == before
+    assert kind_of_table() == "p"
+    assert list(Event.objects.order_by("id").values_list("id", "invocation_id", "seq", "hash")) == (
+        before
+    )
+    assert partitions_holding("inv-1") == {timezone.now().strftime("ledger_event_%Y_%m")}
+    assert verify().ok
+    api.intent(invocation_id="inv-3", idempotency_key="k-3")
+    assert Event.objects.filter(invocation__invocation_id="inv-3").get().id > before[-1][0]
