@@ -23,8 +23,8 @@ and Django still addresses an event by `id` — and the sealed events' foreign k
 the event goes (nothing can delete an event to leave a dangling one: it is refused).
 
 Existing events are copied into the partitioned table within this migration, which
-holds the table exclusively while it does: about a minute per million events on
-these 2-core machines.
+holds the table exclusively while it does: 9.3 s for bench_audit's million (small)
+events, spread over twelve months, on a 2-core machine.
 """
 
 from django.db import migrations, models
