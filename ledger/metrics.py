@@ -25,8 +25,8 @@ several workers would each hold a different part of.
   that does not verify) found by the last finished background verification pass and
   so far by the running one, and `ledger_verification_finished_timestamp_seconds`,
   when the last pass finished;
-- `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier or
-  the rate watch has fallen behind by the rules of `BackgroundWork`, which the
+- `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier,
+  the rate watch or the partitions have fallen behind by the rules of `BackgroundWork`, which the
   console's dashboard shows too. A row the sweep refuses does not count: it waits for
   an admin, not for beat;
 - `ledger_rate_limit_breaches_unrecorded`: attempts the rate watch found admitted
@@ -63,7 +63,7 @@ from ledger.models import (
     Seal,
     VerificationPass,
 )
-from ledger.partitions import UNPARTITIONED_COUNTED, partition_state
+from ledger.partitions import UNPARTITIONED_COUNTED, PartitionState, partition_state
 from ledger.services import rows_disagreeing, with_heads
 
 RECENT = dt.timedelta(hours=1)
@@ -121,6 +121,8 @@ class BackgroundWork:
     rate_watch_through: int | None
     sealed_a_while_ago: int | None
     rate_breaches_unrecorded: int
+    # The event table's month partitions (ledger.partitions).
+    partitions: PartitionState
 
     @property
     def for_the_sweep(self) -> int:
@@ -153,6 +155,12 @@ class BackgroundWork:
         """A watch has not read past a seal made ten watch intervals ago."""
         through, sealed = self.rate_watch_through, self.sealed_a_while_ago
         return through is not None and sealed is not None and through < sealed
+
+    @property
+    def partitions_behind(self) -> bool:
+        """No partition made for next month (beat makes three ahead), or events that
+        found none."""
+        return self.partitions.months_ahead < 1 or self.partitions.unpartitioned > 0
 
 
 def background_work(now: dt.datetime | None = None) -> BackgroundWork:
@@ -204,6 +212,7 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         rate_watch_through=watches["through"],
         sealed_a_while_ago=sealed_a_while_ago,
         rate_breaches_unrecorded=watches["unrecorded"] or 0,
+        partitions=partition_state(now),
     )
 
 
@@ -299,13 +308,15 @@ class LedgerCollector(Collector):
             "1 when beat's sweeper (an attempt overdue for 12 sweep intervals), sealer "
             "(events newer than the newest seal by 10 seal intervals), verifier (no slice "
             "verified for 10 intervals) or rate watch (a seal unread for 10 intervals) is "
-            "not keeping up.",
+            "not keeping up, or the event table's month partitions (none made for next month, "
+            "or events in the default partition).",
             labels=["work"],
         )
         behind.add_metric(["sweeper"], int(work.sweeper_behind))
         behind.add_metric(["sealer"], int(work.sealer_behind))
         behind.add_metric(["verifier"], int(work.verifier_behind))
         behind.add_metric(["rate_watch"], int(work.rate_watch_behind))
+        behind.add_metric(["partitions"], int(work.partitions_behind))
         yield behind
         yield GaugeMetricFamily(
             "ledger_rate_limit_breaches_unrecorded",
@@ -334,7 +345,7 @@ class LedgerCollector(Collector):
             "When the newest seal was made, in Unix time (0 if none yet).",
             value=work.newest_seal_at.timestamp() if work.newest_seal_at else 0.0,
         )
-        partitioned = partition_state(now)
+        partitioned = work.partitions
         yield GaugeMetricFamily(
             "ledger_event_partitions_ahead",
             "Month partitions of the event table made for months after the current one (UTC).",

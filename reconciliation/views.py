@@ -27,6 +27,7 @@ from ledger.audit import invocations_naming
 from ledger.integrity import restore_projection
 from ledger.metrics import background_work
 from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation
+from ledger.partitions import UNPARTITIONED_COUNTED
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
 from ledger.services import (
     LedgerError,
@@ -490,5 +491,6 @@ def dashboard(request: HttpRequest) -> HttpResponse:
             NAMES_A_SHARED_REFERENCE, created_at__gte=hour_ago
         ).count(),
         "work": background_work(),
+        "unpartitioned_counted": UNPARTITIONED_COUNTED,
     }
     return render(request, "reconciliation/dashboard.html", context)

@@ -14,10 +14,10 @@ from django.utils import timezone
 
 from ledger import tasks
 from ledger.integrity import seal_events, verify
-from ledger.metrics import exposition
+from ledger.metrics import background_work, exposition
 from ledger.models import Capability, Event, Invocation
 from ledger.partitions import create_event_partitions, partition_state
-from tests.conftest import Api
+from tests.conftest import Api, person
 from tests.ledger.conftest import at_migration
 from tests.ledger.test_metrics import samples
 
@@ -167,3 +167,28 @@ def test_the_migration_moves_every_event_into_its_months_partition_and_back(
     assert verify().ok
     api.intent(invocation_id="inv-3", idempotency_key="k-3")
     assert Event.objects.filter(invocation__invocation_id="inv-3").get().id > before[-1][0]
+
+
+def test_the_dashboard_and_metrics_say_when_partitions_fall_behind(
+    api: Api, refund: Capability
+) -> None:
+    operator = person("olga", "operator")
+
+    def card() -> str:
+        page = operator.get("/dashboard/").content.decode()
+        return page.split('id="background-work"')[1].split("</section>")[0]
+
+    assert 'class="keeping-up">Event partitions:\n      made 3 months ahead.' in card()
+    in_five_months = timezone.now() + dt.timedelta(days=5 * 31)
+    assert background_work(now=in_five_months).partitions_behind
+    later = samples(exposition(now=in_five_months))
+    assert later[("ledger_background_behind", (("work", "partitions"),))] == 1
+    assert later[("ledger_event_partitions_ahead", ())] == 0
+
+    with ledger_clock_at(dt.datetime(2024, 3, 15, 12, tzinfo=dt.UTC)):
+        api.intent(invocation_id="inv-1", attempt_id="a1")
+    stored = Event.objects.filter(invocation__invocation_id="inv-1").count()
+    assert f'class="behind">Event partitions:\n      {stored} events in the default partition' in (
+        card()
+    )
+    assert samples(exposition())[("ledger_background_behind", (("work", "partitions"),))] == 1
