@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import psycopg
 import pytest
-from django.db import DataError, ProgrammingError, connection, transaction
+from django.db import DataError, OperationalError, ProgrammingError, connection, transaction
 from django.utils import timezone
 
 from ledger import tasks
@@ -192,3 +192,19 @@ def test_the_dashboard_and_metrics_say_when_partitions_fall_behind(
         card()
     )
     assert samples(exposition())[("ledger_background_behind", (("work", "partitions"),))] == 1
+
+
+def test_a_partition_that_would_wait_on_the_ledgers_writes_gives_up(db: None) -> None:
+    """Attaching a month copies the events' foreign key, which locks the invocations
+    against writes: behind that wait every write of the ledger would queue. So it
+    waits at most lock_timeout (5 s), makes nothing, and the next run tries again."""
+    holder = psycopg.connect(**connection.get_connection_params())
+    try:
+        holder.execute("UPDATE ledger_invocation SET assignee = assignee WHERE false")
+        with pytest.raises(OperationalError, match="lock timeout"), transaction.atomic():
+            create_event_partitions(months_ahead=4)
+    finally:
+        holder.rollback()
+        holder.close()
+    assert partition_state().months_ahead == 3
+    assert len(create_event_partitions(months_ahead=4)) == 1
