@@ -307,9 +307,9 @@ class LedgerCollector(Collector):
             "ledger_background_behind",
             "1 when beat's sweeper (an attempt overdue for 12 sweep intervals), sealer "
             "(events newer than the newest seal by 10 seal intervals), verifier (no slice "
-            "verified for 10 intervals) or rate watch (a seal unread for 10 intervals) is "
-            "not keeping up, or the event table's month partitions (none made for next month, "
-            "or events in the default partition).",
+            "verified for 10 intervals), rate watch (a seal unread for 10 intervals) or "
+            "partition maker (none made for next month, or events in the default partition) "
+            "is not keeping up.",
             labels=["work"],
         )
         behind.add_metric(["sweeper"], int(work.sweeper_behind))
