@@ -38,8 +38,8 @@ def create_event_partitions(
             "SELECT ledger_create_event_partitions(%s, %s + make_interval(months => %s))",
             [since or now, now, months_ahead],
         )
-        made = cursor.fetchone()[0]
-    return made
+        (made,) = cursor.fetchone()
+    return list(made)
 
 
 @dataclass(frozen=True)

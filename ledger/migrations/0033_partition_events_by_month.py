@@ -9,13 +9,13 @@ can move an invocation between partitions: its `created_at` is now as immutable 
 its events (the trigger below).
 
 `ledger_create_event_partitions(from, through)` makes the month partitions between
-two times that are missing, and answers their names. It runs with its owner's rights (the role that migrated),
-so the application's role, which owns nothing (README, Database roles), can call it
-from beat (ledger.partitions). Events that find no month partition land in
-`ledger_event_default`, so nothing is refused for want of one; a month whose rows
-are there already keeps them there (its partition cannot be attached), and is named
-in a warning. Each month gets the statistics of migration 0024 for its own rows: the
-planner estimates each partition from its own.
+two times that are missing, and answers their names. It runs with its owner's rights
+(the role that migrated), so the application's role, which owns nothing (README,
+Database roles), can call it from beat (ledger.partitions). Events that find no month
+partition land in `ledger_event_default`, so nothing is refused for want of one; a
+month whose rows are there already keeps them there (its partition cannot be
+attached), and is named in a warning. Each month gets the statistics of migration
+0024 for its own rows: the planner estimates each partition from its own.
 
 A partitioned table cannot have a unique index without its partition key, so the
 primary key becomes (id, invocation_created_at) — ids still come from one sequence,
