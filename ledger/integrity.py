@@ -73,7 +73,11 @@ def seal_events(*, now: dt.datetime | None = None) -> Seal | None:
         unsealed = unsealed.filter(
             Q(created_at__gte=last.created_at - SEAL_LOOKBACK) | Q(id__gte=first_of_last)
         )
-    events = list(unsealed.order_by("created_at", "id").values_list("id", "hash")[:SEAL_BATCH])
+    events = list(
+        unsealed.order_by("created_at", "id").values_list("id", "hash", "invocation_created_at")[
+            :SEAL_BATCH
+        ]
+    )
     if not events:
         return None
     first = (last.last_sequence if last else 0) + 1
@@ -81,15 +85,20 @@ def seal_events(*, now: dt.datetime | None = None) -> Seal | None:
         first_sequence=first,
         last_sequence=first + len(events) - 1,
         event_count=len(events),
-        merkle_root=merkle_root(h for _, h in events),
+        merkle_root=merkle_root(h for _, h, _ in events),
         created_at=now,
         prev_hash=last.hash if last else chain.GENESIS_HASH,
     )
     seal.hash = chain.event_hash(seal.prev_hash, seal_body(seal))
     seal.save()
     SealedEvent.objects.bulk_create(
-        SealedEvent(sequence=first + i, event_id=event_id, seal=seal)
-        for i, (event_id, _) in enumerate(events)
+        SealedEvent(
+            sequence=first + i,
+            event_id=event_id,
+            event_invocation_created_at=partition_key,
+            seal=seal,
+        )
+        for i, (event_id, _, partition_key) in enumerate(events)
     )
     return seal
 
@@ -386,8 +395,10 @@ def _check_seals(report: Report, seals: Iterable[Seal], prev_hash: str | None) -
             report.breaks.append(Break("seal", where, f"prev_hash {prev_hash}", seal.prev_hash))
         leaves = list(
             SealedEvent.objects.filter(seal=seal)
+            .with_events()
             .order_by("sequence")
-            .values_list("event__hash", flat=True)
+            # (django-stubs does not know the FilteredRelation's name.)
+            .values_list("partitioned_event__hash", flat=True)  # type: ignore[misc]
         )
         root = merkle_root(leaves)
         if len(leaves) != seal.event_count or root != seal.merkle_root:
@@ -690,8 +701,10 @@ def export_bundle(
             sealed += 1
             leaves = None
             if seal.pk in seal_ids:
-                entries = SealedEvent.objects.filter(seal=seal).order_by("sequence")
-                leaves = list(entries.values_list("event__hash", flat=True))
+                entries = SealedEvent.objects.filter(seal=seal).with_events().order_by("sequence")
+                leaves = list(
+                    entries.values_list("partitioned_event__hash", flat=True)  # type: ignore[misc]
+                )
             record = {
                 "body": chain.canonical(seal_body(seal)).decode(),
                 "hash": seal.hash,

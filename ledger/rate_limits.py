@@ -267,20 +267,22 @@ def _sealed_admissions(
     order: sequence, time, invocation, scope and attempt."""
     if not watches:
         return []
+    # (django-stubs does not know a FilteredRelation's name: with_events' partitioned_event.)
     rows = (
-        SealedEvent.objects.filter(
+        SealedEvent.objects.with_events()
+        .filter(  # type: ignore[misc]
             sequence__gt=since,
             sequence__lte=through,
-            event__kind="attempt_admitted",
-            event__invocation__capability_scope__in=list(watches),
+            partitioned_event__kind="attempt_admitted",
+            partitioned_event__invocation__capability_scope__in=list(watches),
         )
         .order_by("sequence")
         .values_list(
             "sequence",
-            "event__created_at",
-            "event__invocation__invocation_id",
-            "event__invocation__capability_scope",
-            "event__data__attempt_id",
+            "partitioned_event__created_at",
+            "partitioned_event__invocation__invocation_id",
+            "partitioned_event__invocation__capability_scope",
+            "partitioned_event__data__attempt_id",
         )
     )
     return list(rows)
