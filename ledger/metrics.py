@@ -25,10 +25,10 @@ several workers would each hold a different part of.
   that does not verify) found by the last finished background verification pass and
   so far by the running one, and `ledger_verification_finished_timestamp_seconds`,
   when the last pass finished;
-- `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier,
-  the rate watch or the partitions have fallen behind by the rules of `BackgroundWork`, which the
-  console's dashboard shows too. A row the sweep refuses does not count: it waits for
-  an admin, not for beat;
+- `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier, the
+  rate watch or the partition maker has fallen behind by the rules of
+  `BackgroundWork`, which the console's dashboard shows too. A row the sweep refuses
+  does not count: it waits for an admin, not for beat;
 - `ledger_rate_limit_breaches_unrecorded`: attempts the rate watch found admitted
   beyond a declared rate limit whose invocations' rows were changed outside the
   ledger, so that they wait for an admin before they can be flagged.
