@@ -23,6 +23,13 @@ DEFAULT_PARTITION = "ledger_event_default"
 UNPARTITIONED_COUNTED = 1000
 
 
+def month_partition(at: dt.datetime, *, months_later: int = 0) -> str:
+    """The name of the partition for the UTC month `months_later` months after `at`'s,
+    as ledger_create_event_partitions names it."""
+    month = at.astimezone(dt.UTC).year * 12 + at.astimezone(dt.UTC).month - 1 + months_later
+    return f"ledger_event_{month // 12:04d}_{month % 12 + 1:02d}"
+
+
 def create_event_partitions(
     *, since: dt.datetime | None = None, months_ahead: int = MONTHS_AHEAD
 ) -> list[str]:

@@ -32,7 +32,7 @@ from ledger.models import (
     Seal,
     SealedEvent,
 )
-from ledger.partitions import create_event_partitions
+from ledger.partitions import create_event_partitions, month_partition
 from ledger.tasks import seal_new_events
 from reconciliation import services as reconciliation_services
 from reconciliation.sweeper import forget_spent_probe_jobs, sweep
@@ -633,7 +633,7 @@ def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidenc
             "DELETE FROM ledger_invocation",
             "TRUNCATE ledger_event",
             "DELETE FROM ledger_event_default",  # a partition: not even to its trigger
-            f"UPDATE {timezone.now():ledger_event_%Y_%m} SET kind = kind",
+            f"UPDATE {month_partition(timezone.now())} SET kind = kind",
         ):
             cursor.execute("SAVEPOINT attempt")
             with pytest.raises(ProgrammingError, match="permission denied"):

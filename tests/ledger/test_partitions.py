@@ -17,7 +17,7 @@ from ledger import tasks
 from ledger.integrity import seal_events, verify
 from ledger.metrics import background_work, exposition
 from ledger.models import Capability, Event, Invocation, SealedEvent
-from ledger.partitions import create_event_partitions, partition_state
+from ledger.partitions import create_event_partitions, month_partition, partition_state
 from tests.conftest import Api, person
 from tests.ledger.conftest import at_migration
 from tests.ledger.test_metrics import samples
@@ -70,8 +70,8 @@ def test_an_invocations_events_stay_in_the_month_it_was_recorded_in(
 
 def test_partitions_are_made_months_ahead_once_each(db: None) -> None:
     now = timezone.now()
-    first = (now.replace(day=1) + dt.timedelta(days=32 * 4)).strftime("ledger_event_%Y_%m")
-    second = (now.replace(day=1) + dt.timedelta(days=32 * 5)).strftime("ledger_event_%Y_%m")
+    first = month_partition(now, months_later=4)
+    second = month_partition(now, months_later=5)
 
     assert partition_state(now).months_ahead == 3  # made by the migration
     assert tasks.create_event_partitions() == []
@@ -164,7 +164,7 @@ def test_the_migration_moves_every_event_into_its_months_partition_and_back(
     assert list(Event.objects.order_by("id").values_list("id", "invocation_id", "seq", "hash")) == (
         before
     )
-    assert partitions_holding("inv-1") == {timezone.now().strftime("ledger_event_%Y_%m")}
+    assert partitions_holding("inv-1") == {month_partition(timezone.now())}
     assert verify().ok
     api.intent(invocation_id="inv-3", idempotency_key="k-3")
     assert Event.objects.filter(invocation__invocation_id="inv-3").get().id > before[-1][0]

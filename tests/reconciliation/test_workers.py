@@ -19,7 +19,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from ledger.models import Capability, Event, Invocation, VerificationPass
-from ledger.partitions import create_event_partitions, partition_state
+from ledger.partitions import create_event_partitions, month_partition, partition_state
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
@@ -217,9 +217,7 @@ def test_beat_has_a_worker_make_the_event_partition_missing_ahead(
 ) -> None:
     """The third month ahead, dropped here as the role that migrated could, is made
     again by the worker, through the function that runs with that role's rights."""
-    third = (timezone.now().replace(day=1) + dt.timedelta(days=3 * 32)).strftime(
-        "ledger_event_%Y_%m"
-    )
+    third = month_partition(timezone.now(), months_later=3)
     try:
         with connection.cursor() as cursor:
             cursor.execute(f"ALTER TABLE ledger_event DETACH PARTITION {third}")
