@@ -26,12 +26,14 @@ several workers would each hold a different part of.
   so far by the running one, and `ledger_verification_finished_timestamp_seconds`,
   when the last pass finished;
 - `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier, the
-  rate watch or the partition maker has fallen behind by the rules of
+  rate watch, the reference watch or the partition maker has fallen behind by the rules of
   `BackgroundWork`, which the console's dashboard shows too. A row the sweep refuses
   does not count: it waits for an admin, not for beat;
 - `ledger_rate_limit_breaches_unrecorded`: attempts the rate watch found admitted
   beyond a declared rate limit whose invocations' rows were changed outside the
-  ledger, so that they wait for an admin before they can be flagged.
+  ledger, so that they wait for an admin before they can be flagged, and
+  `ledger_shared_references_unrecorded`: the same for the reference watch's flags
+  (ledger/shared_references.py).
 - `ledger_event_partitions_ahead`: month partitions of the event table made for months
   after the current one (beat keeps three; alert below one), and
   `ledger_events_unpartitioned`: events that found no month partition and went to the
@@ -60,6 +62,7 @@ from ledger.models import (
     Event,
     Invocation,
     RateWatch,
+    ReferenceWatch,
     Seal,
     VerificationPass,
 )
@@ -73,6 +76,7 @@ MISSED_SWEEPS = 12
 MISSED_SEALS = 10
 MISSED_VERIFICATIONS = 10
 MISSED_RATE_WATCHES = 10
+MISSED_REFERENCE_WATCHES = 10
 # The overdue rows read, oldest first, to find the oldest that the sweep can flag: rows
 # it refuses (changed outside the ledger, waiting for an admin) are rare.
 OVERDUE_READ = 20
@@ -92,6 +96,12 @@ def verifier_slack() -> dt.timedelta:
 
 def rate_watch_slack() -> dt.timedelta:
     return dt.timedelta(seconds=MISSED_RATE_WATCHES * settings.LEDGER_RATE_WATCH_INTERVAL_SECONDS)
+
+
+def reference_watch_slack() -> dt.timedelta:
+    return dt.timedelta(
+        seconds=MISSED_REFERENCE_WATCHES * settings.LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS
+    )
 
 
 def _seconds_since(then: dt.datetime | None, now: dt.datetime) -> float:
@@ -121,6 +131,12 @@ class BackgroundWork:
     rate_watch_through: int | None
     sealed_a_while_ago: int | None
     rate_breaches_unrecorded: int
+    # The reference watch: how far it has read (0 before its first run), the newest
+    # seal it should have read past by now (None when it has read the newest seal),
+    # and the invocations waiting for an admin before they can be flagged.
+    reference_watch_through: int
+    sealed_before_reference_slack: int | None
+    reference_flags_unrecorded: int
     # The event table's month partitions (ledger.partitions).
     partitions: PartitionState
 
@@ -157,6 +173,12 @@ class BackgroundWork:
         return through is not None and sealed is not None and through < sealed
 
     @property
+    def reference_watch_behind(self) -> bool:
+        """The watch has not read past a seal made ten watch intervals ago."""
+        sealed = self.sealed_before_reference_slack
+        return sealed is not None and self.reference_watch_through < sealed
+
+    @property
     def partitions_behind(self) -> bool:
         """No partition made for next month (beat makes three ahead), or events that
         found none."""
@@ -178,7 +200,9 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         # Every row read is refused: the oldest the sweep can flag is younger than the
         # last of them, and is taken as that old, which reports behind rather than not.
         flaggable = [oldest[-1].deadline_at]
-    newest_seal = Seal.objects.order_by("-last_sequence").values_list("created_at").first()
+    newest_seal = (
+        Seal.objects.order_by("-last_sequence").values_list("created_at", "last_sequence").first()
+    )
     newest_event = Event.objects.order_by("-created_at").values_list("created_at").first()
     first_event = None
     if newest_seal is None and newest_event is not None:
@@ -192,12 +216,18 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
     )
     sealed_a_while_ago = None
     if watches["through"] is not None:
-        sealed_a_while_ago = (
-            Seal.objects.filter(created_at__lte=now - rate_watch_slack())
-            .order_by("-last_sequence")
-            .values_list("last_sequence", flat=True)
-            .first()
+        sealed_a_while_ago = _last_sealed_before(now - rate_watch_slack())
+    reference_watch = (
+        ReferenceWatch.objects.annotate(
+            waiting=Func("unrecorded", function="jsonb_array_length", output_field=IntegerField())
         )
+        .values_list("through_sequence", "waiting")
+        .first()
+    ) or (0, 0)
+    sealed_before_reference_slack = None
+    if newest_seal is not None and newest_seal[1] > reference_watch[0]:
+        # Only while a seal is unread: a watch that has read the newest costs nothing more.
+        sealed_before_reference_slack = _last_sealed_before(now - reference_watch_slack())
     return BackgroundWork(
         now=now,
         overdue=counted["n"],
@@ -212,15 +242,29 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         rate_watch_through=watches["through"],
         sealed_a_while_ago=sealed_a_while_ago,
         rate_breaches_unrecorded=watches["unrecorded"] or 0,
+        reference_watch_through=reference_watch[0],
+        sealed_before_reference_slack=sealed_before_reference_slack,
+        reference_flags_unrecorded=reference_watch[1],
         partitions=partition_state(now),
     )
 
 
+def _last_sealed_before(at: dt.datetime) -> int | None:
+    """The last sequence number of the newest seal made by `at`."""
+    return (
+        Seal.objects.filter(created_at__lte=at)
+        .order_by("-last_sequence")
+        .values_list("last_sequence", flat=True)
+        .first()
+    )
+
+
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: eleven statements, each on an index or the
+    """Reads the figures once per scrape: twelve statements, each on an index or the
     catalog; one more before the first seal, one more while attempts are overdue (the
-    oldest of them, with their events, to tell those the sweep refuses), and one more
-    while a capability declares a rate limit."""
+    oldest of them, with their events, to tell those the sweep refuses), one more while
+    a capability declares a rate limit, and one more while the reference watch has not
+    read the newest seal."""
 
     def __init__(self, now: dt.datetime) -> None:
         self.now = now
@@ -307,7 +351,8 @@ class LedgerCollector(Collector):
             "ledger_background_behind",
             "1 when beat's sweeper (an attempt overdue for 12 sweep intervals), sealer "
             "(events newer than the newest seal by 10 seal intervals), verifier (no slice "
-            "verified for 10 intervals), rate watch (a seal unread for 10 intervals) or "
+            "verified for 10 intervals), rate or reference watch (a seal unread for 10 "
+            "intervals) or "
             "partition maker (none made for next month, or events in the default partition) "
             "is not keeping up.",
             labels=["work"],
@@ -316,6 +361,7 @@ class LedgerCollector(Collector):
         behind.add_metric(["sealer"], int(work.sealer_behind))
         behind.add_metric(["verifier"], int(work.verifier_behind))
         behind.add_metric(["rate_watch"], int(work.rate_watch_behind))
+        behind.add_metric(["reference_watch"], int(work.reference_watch_behind))
         behind.add_metric(["partitions"], int(work.partitions_behind))
         yield behind
         yield GaugeMetricFamily(
@@ -323,6 +369,13 @@ class LedgerCollector(Collector):
             "Attempts admitted beyond a declared rate limit, not yet flagged: their "
             "invocations' rows were changed outside the ledger and wait for an admin.",
             value=work.rate_breaches_unrecorded,
+        )
+        yield GaugeMetricFamily(
+            "ledger_shared_references_unrecorded",
+            "Invocations naming a business reference a later invocation's evidence names "
+            "too, not yet flagged: their rows were changed outside the ledger and wait for "
+            "an admin.",
+            value=work.reference_flags_unrecorded,
         )
         verification = GaugeMetricFamily(
             "ledger_verification_breaks",

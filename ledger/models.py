@@ -660,6 +660,27 @@ class RateWatch(models.Model):
         return f"rate watch of {self.scope} through #{self.through_sequence}"
 
 
+class ReferenceWatch(models.Model):
+    """How far the reference watch has read the sealed events (`ledger.shared_references`):
+    one row, made by its first run.
+
+    Not evidence: what it finds is recorded as events of the invocations it flags.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1, editable=False)
+    # The last sealed event (SealedEvent.sequence) read.
+    through_sequence = models.BigIntegerField(default=0)
+    # What it found on invocations the ledger refused to change (their rows were changed
+    # outside the ledger): each run tries them again, until an admin restores the row.
+    unrecorded = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        constraints = [models.CheckConstraint(condition=Q(id=1), name="reference_watch_one_row")]
+
+    def __str__(self) -> str:
+        return f"reference watch through #{self.through_sequence}"
+
+
 class VerificationPass(models.Model):
     """One background pass of verify_ledger over the whole ledger, a slice per run of
     beat's task (`ledger.integrity.verify_next_slice`): every chain, its replay through

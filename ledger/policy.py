@@ -452,8 +452,9 @@ RECORDED_HINTS = ("readonly", "idempotency_verified", "max_attempts")
 
 # The flags a service sets beside a rule, by the kind of event that records them:
 # what the capability lacked at the intent, a claim contradicting the recorded
-# outcome, a business reference other invocations' evidence names, an attempt
-# admitted beyond the capability's declared rate. Any other event
+# outcome, a business reference other invocations' evidence names (or, found later by
+# the reference watch, names too), an attempt admitted beyond the capability's
+# declared rate. Any other event
 # adding a flag no rule adds is a history no service wrote.
 FLAGS_BESIDE_A_RULE: Mapping[str, frozenset[Flag]] = {
     "intent_recorded": frozenset({Flag.UNDECLARED, Flag.APPROVAL_MISSING}),
@@ -464,6 +465,7 @@ FLAGS_BESIDE_A_RULE: Mapping[str, frozenset[Flag]] = {
     "resolution": frozenset({Flag.REFERENCE_SHARED}),
     "resolution_approved": frozenset({Flag.REFERENCE_SHARED}),
     "rate_limit_exceeded": frozenset({Flag.RATE_LIMIT_EXCEEDED}),
+    "reference_shared": frozenset({Flag.REFERENCE_SHARED}),
 }
 
 

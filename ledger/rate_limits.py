@@ -21,18 +21,17 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime as dt
-import itertools
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection, transaction
-from django.db.models import Max, OuterRef, Subquery
+from django.db import transaction
+from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
-from ledger import policy
+from ledger import policy, watches
 from ledger.models import (
     Capability,
     CapabilityDeclaration,
@@ -41,7 +40,7 @@ from ledger.models import (
     Seal,
     SealedEvent,
 )
-from ledger.services import LedgerError, invocation_transitions
+from ledger.watches import Entry
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +50,6 @@ WATCH = "ledger:rate_watch"
 # A span of sequence numbers rather than a LIMIT on the rows found, because a LIMIT let
 # PostgreSQL read the whole rest of the range, and sort it, for each batch it returned.
 BATCH = 100_000
-# Breaches recorded in one write.
-FLAGS_PER_WRITE = 500
 
 WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
 UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -148,17 +145,16 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
     limits, and flag the invocations of those beyond them."""
     batch = batch or BATCH
     with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.watch_rate_limits'))")
-        sealed = Seal.objects.aggregate(last=Max("last_sequence"))["last"] or 0
+        watches.exclusive("ledger.watch_rate_limits")
+        sealed = watches.newest_sealed_sequence()
         limits = _declared_limits()
-        watches = RateWatch.objects.in_bulk()
+        kept = RateWatch.objects.in_bulk()
         for scope, limit in limits.items():
-            watches[scope] = _started(watches.get(scope), scope, limit)
-        for scope, watch in watches.items():
+            kept[scope] = _started(kept.get(scope), scope, limit)
+        for scope, watch in kept.items():
             if scope not in limits:
                 watch.watching, watch.rate_limit, watch.admissions = False, {}, []
-        watching = {scope: watches[scope] for scope in limits}
+        watching = {scope: kept[scope] for scope in limits}
         since = min((watch.through_sequence for watch in watching.values()), default=sealed)
         through = min(sealed, since + batch)
         read = _sealed_admissions(watching, since, through)
@@ -173,12 +169,12 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
             found += [breach.as_entry(scope, limits[scope]) for breach in exceeded]
             watch.through_sequence = max(watch.through_sequence, through)
         # Breaches found before a limit was withdrawn are still recorded.
-        waiting = [entry for watch in watches.values() for entry in watch.unrecorded]
-        refused = _record(waiting, found)
-        for watch in watches.values():
+        waiting = [entry for watch in kept.values() for entry in watch.unrecorded]
+        refused = FLAGGING.record(waiting, found)
+        for watch in kept.values():
             watch.unrecorded = [entry for entry in refused if entry["scope"] == watch.scope]
-        _save(watches.values())
-    flagged = {e["invocation_id"] for e in waiting + found} - {e["invocation_id"] for e in refused}
+        _save(kept.values())
+    flagged = watches.invocations_flagged(waiting + found, refused)
     if found or waiting:
         log.info(
             "rate watch through_sequence=%d breaches=%d flagged=%d unrecorded=%d",
@@ -188,7 +184,7 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
         admissions=len(read),
         caught_up=through == sealed,
         breaches=len(found),
-        flagged=sorted(flagged),
+        flagged=flagged,
         unrecorded=len(refused),
     )
 
@@ -220,10 +216,10 @@ def _started(watch: RateWatch | None, scope: str, limit: RateLimit) -> RateWatch
     )
 
 
-def _save(watches: Iterable[RateWatch]) -> None:
+def _save(rows: Iterable[RateWatch]) -> None:
     """Keep the watches of declared limits, and of withdrawn ones only while breaches
     found under them wait to be recorded."""
-    kept = [watch for watch in watches if watch.watching or watch.unrecorded]
+    kept = [watch for watch in rows if watch.watching or watch.unrecorded]
     RateWatch.objects.exclude(scope__in=[watch.scope for watch in kept]).delete()
     RateWatch.objects.bulk_create(
         kept,
@@ -261,11 +257,11 @@ type SealedAdmission = tuple[int, dt.datetime, str, str, str]
 
 
 def _sealed_admissions(
-    watches: Mapping[str, RateWatch], since: int, through: int
+    watching: Mapping[str, RateWatch], since: int, through: int
 ) -> list[SealedAdmission]:
     """The admissions of the watched capabilities sealed in (since, through], in seal
     order: sequence, time, invocation, scope and attempt."""
-    if not watches:
+    if not watching:
         return []
     # (django-stubs does not know a FilteredRelation's name: with_events' partitioned_event.)
     rows = (
@@ -274,7 +270,7 @@ def _sealed_admissions(
             sequence__gt=since,
             sequence__lte=through,
             partitioned_event__kind="attempt_admitted",
-            partitioned_event__invocation__capability_scope__in=list(watches),
+            partitioned_event__invocation__capability_scope__in=list(watching),
         )
         .order_by("sequence")
         .values_list(
@@ -288,50 +284,7 @@ def _sealed_admissions(
     return list(rows)
 
 
-def _record(waiting: list[dict[str, Any]], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Flag the invocations of these breaches, one event each listing its attempts;
-    the breaches the ledger refused to record (their invocation's row was changed
-    outside it), to try again next run."""
-    by_invocation: dict[str, list[dict[str, Any]]] = {}
-    for entry in waiting + found:
-        by_invocation.setdefault(entry["invocation_id"], []).append(entry)
-    refused: list[dict[str, Any]] = []
-    for unit in itertools.batched(by_invocation, FLAGS_PER_WRITE):
-        for invocation_id, error in _flag(list(unit), by_invocation):
-            entries = by_invocation[invocation_id]
-            refused += entries
-            if any(entry in found for entry in entries):
-                log.error(
-                    "rate watch could not flag invocation=%s error=%s: %s",
-                    invocation_id, error.type, error.message,
-                )  # fmt: skip
-    return refused
-
-
-def _flag(
-    invocation_ids: list[str], by_invocation: Mapping[str, list[dict[str, Any]]]
-) -> list[tuple[str, LedgerError]]:
-    """Flag the invocations in one write; those the ledger refused, with why. A refused
-    unit is tried again one invocation at a time, so that one refused row does not hold
-    up the rest."""
-    try:
-        with transaction.atomic():
-            invocation_transitions(
-                invocation_ids=invocation_ids,
-                actor=WATCH,
-                kind="rate_limit_exceeded",
-                change=lambda invocation: _flagged(
-                    invocation, by_invocation[invocation.invocation_id]
-                ),
-            )
-    except LedgerError as error:
-        if len(invocation_ids) == 1:
-            return [(invocation_ids[0], error)]
-        return [refused for one in invocation_ids for refused in _flag([one], by_invocation)]
-    return []
-
-
-def _flagged(invocation: Invocation, entries: list[dict[str, Any]]) -> dict[str, Any]:
+def _flagged(invocation: Invocation, entries: list[Entry]) -> dict[str, Any]:
     """Flag the invocation: the data of the event recording its breaches."""
     invocation.apply_state(policy.with_flag(invocation.state(), policy.Flag.RATE_LIMIT_EXCEEDED))
     return {
@@ -341,3 +294,8 @@ def _flagged(invocation: Invocation, entries: list[dict[str, Any]]) -> dict[str,
             for entry in entries
         ],
     }
+
+
+FLAGGING = watches.Flagging(
+    actor=WATCH, kind="rate_limit_exceeded", change=_flagged, log=log, name="rate watch"
+)

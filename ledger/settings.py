@@ -346,6 +346,11 @@ LEDGER_VERIFY_SLICE = env_int("LEDGER_VERIFY_SLICE", 2000, minimum=1)
 # The rate-limit watch reads what the sealer numbered since its last run, so it sees
 # an admission up to one seal interval plus one of its own after it was made.
 LEDGER_RATE_WATCH_INTERVAL_SECONDS = env_int("LEDGER_RATE_WATCH_INTERVAL_SECONDS", 60, minimum=1)
+# The reference watch reads the same way: an invocation whose business reference a
+# later one names too is flagged up to one seal interval plus one of its own after.
+LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS = env_int(
+    "LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS", 60, minimum=1
+)
 # The event table's month partitions are made months ahead; hourly is plenty, and a
 # run that waited too long on a lock (5 s at most) is tried again the next hour.
 LEDGER_PARTITION_INTERVAL_SECONDS = env_int("LEDGER_PARTITION_INTERVAL_SECONDS", 3600, minimum=1)
@@ -368,6 +373,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "ledger.tasks.watch_declared_rate_limits",
         "schedule": float(LEDGER_RATE_WATCH_INTERVAL_SECONDS),
         "options": {"expires": float(LEDGER_RATE_WATCH_INTERVAL_SECONDS)},
+    },
+    "watch-shared-references": {
+        "task": "ledger.tasks.watch_shared_references",
+        "schedule": float(LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS),
+        "options": {"expires": float(LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS)},
     },
     "create-event-partitions": {
         "task": "ledger.tasks.create_event_partitions",

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 from celery import shared_task
 from django.conf import settings
 
-from ledger import integrity, partitions, rate_limits
+from ledger import integrity, partitions, rate_limits, shared_references
 from ledger.integrity import seal_events, verify_next_slice
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,31 @@ def watch_declared_rate_limits() -> int:
     since the last run, judged against their capabilities' declared rate limits
     (`ledger.rate_limits`), a transaction per BATCH sealed events until it has caught
     up; returns how many invocations it flagged."""
+    return _until_caught_up(rate_limits.watch_rate_limits)
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def watch_shared_references() -> int:
+    """Beat runs this every LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS: the earlier
+    invocations naming the shared references of the events sealed since the last run
+    are flagged (`ledger.shared_references`), a transaction per BATCH sealed events
+    until it has caught up; returns how many invocations it flagged."""
+    return _until_caught_up(shared_references.watch_shared_references)
+
+
+class _WatchRun(Protocol):
+    @property
+    def flagged(self) -> list[str]: ...
+    @property
+    def caught_up(self) -> bool: ...
+
+
+def _until_caught_up(watch: Callable[[], _WatchRun]) -> int:
+    """Run a watch until it has read the newest seal, each run in its own transaction;
+    how many invocations it flagged."""
     flagged = 0
     while True:
-        watched = rate_limits.watch_rate_limits()
+        watched = watch()
         flagged += len(watched.flagged)
         if watched.caught_up:
             return flagged

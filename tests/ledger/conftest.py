@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import psycopg
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
 from ledger.integrity import seal_events
 from ledger.models import Capability
-from tests.conftest import Api
+from tests.conftest import ROOT, Api, process_env, wait_for
 
 
 @pytest.fixture
@@ -46,3 +50,31 @@ def at_migration(name: str) -> Iterator[None]:
         yield
     finally:
         MigrationExecutor(connection).migrate(latest)
+
+
+def killed_while_it_waits_on_a_row(invocation_id: str, code: str) -> None:
+    """Run `code` in its own process while another session holds the invocation's row,
+    and kill it with SIGKILL once it waits on that row's lock."""
+    from tests.ledger.test_faults import admin_conninfo
+
+    with (
+        psycopg.connect(admin_conninfo()) as holder,
+        psycopg.connect(admin_conninfo(), autocommit=True) as onlooker,
+    ):
+        holder.execute(
+            "SELECT 1 FROM ledger_invocation WHERE invocation_id = %s FOR UPDATE", [invocation_id]
+        )
+        process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=process_env())
+
+        def waits_on_the_row() -> bool:
+            assert process.poll() is None, "it ended before it reached the row"
+            waiting = onlooker.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%%ledger_invocation%%'"
+            ).fetchone()
+            return waiting == (1,)
+
+        wait_for(waits_on_the_row)
+        process.kill()
+        assert process.wait() == -signal.SIGKILL
+        holder.rollback()

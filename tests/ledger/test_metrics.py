@@ -16,6 +16,7 @@ from ledger.metrics import exposition
 from ledger.models import Capability, Event, Invocation, Seal
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
+from ledger.shared_references import watch_shared_references
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, registered
 from tests.ledger.conftest import superuser_sql
@@ -103,7 +104,8 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
         flagged(api, f"inv-{n}")
     seal_events()
     verify_next_slice(invocations=2)
-    with django_assert_num_queries(11):
+    watch_shared_references()
+    with django_assert_num_queries(12):
         scrape(client)
 
 
@@ -162,9 +164,9 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    # The eleven, the first event's time (no seal yet), and the oldest overdue rows
+    # The twelve, the first event's time (no seal yet), and the oldest overdue rows
     # with their events.
-    with django_assert_num_queries(13):
+    with django_assert_num_queries(14):
         just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
@@ -256,9 +258,10 @@ def test_a_rate_watch_that_stopped_is_reported_behind_and_waiting_breaches_count
     sealed = seal_events()
     assert sealed is not None
     at = sealed.created_at
-    # The eleven, the oldest overdue rows (the attempts are overdue by then), and the
+    watch_shared_references()
+    # The twelve, the oldest overdue rows (the attempts are overdue by then), and the
     # seal the watch should have read past.
-    with django_assert_num_queries(13):
+    with django_assert_num_queries(14):
         assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "rate_watch") == 0
     stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "rate_watch") == 1
@@ -289,3 +292,30 @@ def test_with_a_token_set_a_scrape_must_present_it(
 def test_an_unreachable_database_answers_503(client: Client, unreachable_database: None) -> None:
     response = client.get("/metrics")
     assert response.status_code == 503 and b"database unavailable" in response.content
+
+
+def test_a_reference_watch_that_stopped_is_reported_behind_and_waiting_flags_counted(
+    api: Api,
+    refund: Capability,
+    settings: Settings,
+    django_assert_num_queries: DjangoAssertNumQueries,
+) -> None:
+    settings.LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS = 60
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference="RF-1")
+    sealed = seal_events()
+    assert sealed is not None
+    at = sealed.created_at
+    assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "reference_watch") == 0
+    # The twelve, and the seal the watch should have read past: it has read none.
+    with django_assert_num_queries(13):
+        stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
+    assert behind(stalled, "reference_watch") == 1
+    superuser_sql(
+        "UPDATE ledger_invocation SET flags = '{undeclared}' WHERE invocation_id = 'inv-1'"
+    )
+    assert watch_shared_references().unrecorded == 1
+    caught_up = samples(exposition(now=at + dt.timedelta(minutes=11)))
+    assert behind(caught_up, "reference_watch") == 0
+    assert caught_up[("ledger_shared_references_unrecorded", ())] == 1

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import signal
-import subprocess
-import sys
 from typing import Any
 
-import psycopg
 import pytest
 
 from ledger import rate_limits
@@ -18,9 +14,8 @@ from ledger.integrity import restore_projection, seal_events, verify
 from ledger.models import Capability, Event, Invocation, RateWatch
 from ledger.rate_limits import Admission, RateLimit, breaches, watch_rate_limits
 from ledger.tasks import watch_declared_rate_limits
-from tests.conftest import ROOT, Api, person, process_env, registered, wait_for
-from tests.ledger.conftest import superuser_sql
-from tests.ledger.test_faults import admin_conninfo
+from tests.conftest import Api, person, registered
+from tests.ledger.conftest import killed_while_it_waits_on_a_row, superuser_sql
 
 T0 = dt.datetime(2026, 12, 6, 12, 0, tzinfo=dt.UTC)
 TWO_A_MINUTE = RateLimit(count=2, window=dt.timedelta(minutes=1), declared={})
@@ -226,25 +221,7 @@ def test_a_watch_killed_halfway_records_nothing_and_the_next_run_reads_it_again(
     admit(api, 1, 2, 3, 4)
     seal_events()
     before = RateWatch.objects.get().through_sequence
-    with (
-        psycopg.connect(admin_conninfo()) as holder,
-        psycopg.connect(admin_conninfo(), autocommit=True) as onlooker,
-    ):
-        holder.execute("SELECT 1 FROM ledger_invocation WHERE invocation_id = 'inv-4' FOR UPDATE")
-        watch = subprocess.Popen([sys.executable, "-c", RUN_THE_WATCH], cwd=ROOT, env=process_env())
-
-        def waits_on_the_row() -> bool:
-            assert watch.poll() is None, "the watch ended before it reached the row"
-            waiting = onlooker.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE '%%ledger_invocation%%'"
-            ).fetchone()
-            return waiting == (1,)
-
-        wait_for(waits_on_the_row)
-        watch.kill()
-        assert watch.wait() == -signal.SIGKILL
-        holder.rollback()
+    killed_while_it_waits_on_a_row("inv-4", RUN_THE_WATCH)
     assert RateWatch.objects.get().through_sequence == before
     assert flagged() == []
     # The next run waits for the dead one's session to end, then reads it all again.
@@ -254,7 +231,7 @@ def test_a_watch_killed_halfway_records_nothing_and_the_next_run_reads_it_again(
 
 RUN_THE_WATCH = (
     "import django; django.setup(); "
-    "from ledger import rate_limits; rate_limits.FLAGS_PER_WRITE = 1; "
+    "from ledger import rate_limits, watches; watches.FLAGS_PER_WRITE = 1; "
     "rate_limits.watch_rate_limits()"
 )
 

@@ -24,6 +24,7 @@ from ledger.integrity import seal_events, verify_next_slice
 from ledger.models import Capability, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
+from ledger.shared_references import watch_shared_references
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, person, process_env, registered
@@ -534,20 +535,22 @@ def test_an_invocation_escalated_for_want_of_a_probe_shows_its_page(
     assert "<td>no probe: handed to a person</td>" in probe_rows(response.content)
 
 
+def dashboard_card(client: Client, name: str = "background-work") -> str:
+    """One card of the dashboard, as the client sees it."""
+    page = client.get("/dashboard/").content.decode()
+    return page.split(f'id="{name}"')[1].split("</section>")[0]
+
+
 def test_the_dashboard_says_when_beats_work_falls_behind(
     api: Api, refund: Capability, operator: Client
 ) -> None:
     api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
 
-    def card() -> str:
-        page = operator.get("/dashboard/").content.decode()
-        return page.split('id="background-work"')[1].split("</section>")[0]
-
-    assert "Sweeper:\n      keeping up." in card()
-    assert "Sealer:\n      no seal yet." in card()
+    assert "Sweeper:\n      keeping up." in dashboard_card(operator)
+    assert "Sealer:\n      no seal yet." in dashboard_card(operator)
     # Two minutes past its deadline and still in flight: no sweep has run since.
     Invocation.objects.update(deadline_at=timezone.now() - dt.timedelta(minutes=2))
-    stalled = card()
+    stalled = dashboard_card(operator)
     assert 'class="behind">Sweeper' in stalled
     assert "1 attempt past the deadline, the oldest for 2" in stalled
     assert 'class="keeping-up">Sealer' in stalled  # its first event is seconds old
@@ -556,26 +559,47 @@ def test_the_dashboard_says_when_beats_work_falls_behind(
 def test_the_dashboard_shows_the_rate_watch_once_a_limit_is_declared(
     api: Api, operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def card() -> str:
-        page = operator.get("/dashboard/").content.decode()
-        return page.split('id="background-work"')[1].split("</section>")[0]
-
-    assert "Rate watch" not in card()
+    assert "Rate watch" not in dashboard_card(operator)
     registered("refund.create", rate_limit={"count": 1, "window": "1h"})
     watch_rate_limits()
-    assert "Rate watch:\n      keeping up." in card()
+    assert "Rate watch:\n      keeping up." in dashboard_card(operator)
     for n in (1, 2):
         api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
     seal_events()
     monkeypatch.setattr(metrics, "MISSED_RATE_WATCHES", 0)  # behind at once, not in 10 min
-    assert 'class="behind">Rate watch:\n      behind, a seal unread for ten intervals' in card()
+    assert (
+        'class="behind">Rate watch:\n      behind, a seal unread for ten intervals'
+        in dashboard_card(operator)
+    )
     Invocation.objects.filter(invocation_id="inv-2").update(head_hash="0" * 64)
     watch_rate_limits()
-    caught_up = card()
+    caught_up = dashboard_card(operator)
     assert "Rate watch:\n      keeping up." in caught_up
     assert (
         "1 attempt admitted beyond a declared rate limit waits to be flagged: their "
         "invocations' rows were changed outside the ledger."
+    ) in caught_up
+
+
+def test_the_dashboard_shows_the_reference_watch_and_the_flags_waiting_for_an_admin(
+    api: Api, refund: Capability, operator: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert "Reference watch:\n      no sealed event read yet." in dashboard_card(operator)
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference="RF-1")
+    seal_events()
+    monkeypatch.setattr(metrics, "MISSED_REFERENCE_WATCHES", 0)  # behind at once
+    assert 'class="behind">Reference watch:\n      behind, a seal unread for ten' in dashboard_card(
+        operator
+    )
+    Invocation.objects.filter(invocation_id="inv-1").update(head_hash="0" * 64)
+    watch_shared_references()
+    caught_up = dashboard_card(operator)
+    assert "Reference watch:\n      keeping up." in caught_up
+    assert (
+        "1 invocation naming a business reference that a later invocation named too waits "
+        "to be flagged: their rows were changed outside the ledger."
     ) in caught_up
 
 
@@ -588,9 +612,8 @@ def test_the_dashboard_names_overdue_rows_the_sweep_refuses_and_is_not_alarmed(
         deadline_at=timezone.now() - dt.timedelta(minutes=2), head_hash="0" * 64
     )
 
-    page = operator.get("/dashboard/").content.decode()
+    card = dashboard_card(operator)
 
-    card = page.split('id="background-work"')[1].split("</section>")[0]
     assert "Sweeper:\n      keeping up." in card
     assert (
         "Refused by the sweep, changed outside the ledger and waiting for an admin to "
@@ -605,16 +628,14 @@ def test_the_dashboard_shows_what_background_verification_found(
         api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}")
     Invocation.objects.filter(invocation_id="inv-2").update(status="failed")
 
-    def card(name: str) -> str:
-        page = operator.get("/dashboard/").content.decode()
-        return page.split(f'id="{name}"')[1].split("</section>")[0]
-
-    assert "No whole pass yet." in card("verification")
-    assert "Verifier:\n      no pass yet." in card("background-work")
+    assert "No whole pass yet." in dashboard_card(operator, "verification")
+    assert "Verifier:\n      no pass yet." in dashboard_card(operator)
     assert verify_next_slice(invocations=1) is not None
-    assert "Running for under a minute: 1 invocation checked so far." in card("verification")
+    assert "Running for under a minute: 1 invocation checked so far." in dashboard_card(
+        operator, "verification"
+    )
     assert verify_next_slice(invocations=1) is not None
-    found = card("verification")
+    found = dashboard_card(operator, "verification")
     assert (
         '<p class="behind">Last whole pass, finished under a minute ago: 2 invocations, '
         "2 events, 0 seals, 1 admin action and 1 capability,\n      1 break found:</p>"
@@ -623,7 +644,7 @@ def test_the_dashboard_shows_what_background_verification_found(
         "<li><code>projection broken at invocation inv-2 status: expected &#x27;recorded&#x27;, "
         'found &#x27;failed&#x27;</code> <a href="/invocations/inv-2/">its page</a></li>'
     ) in found
-    assert "Verifier:\n      keeping up." in card("background-work")
+    assert "Verifier:\n      keeping up." in dashboard_card(operator)
 
 
 def test_an_age_filter_too_large_for_a_date_is_refused_by_name(
@@ -692,14 +713,12 @@ def test_the_invocation_page_calls_a_capability_undeclared_only_as_the_api_does(
 def test_the_dashboard_counts_the_last_hours_shared_references(
     inv_2_names_rf_981: None, api: Api, compliance: Client
 ) -> None:
-    def shared_card() -> str:
-        page = compliance.get("/dashboard/").content.decode()
-        return page.split('id="shared-references"')[1].split("</section>")[0]
-
-    assert '<p class="big">0</p>' in shared_card()  # inv-2 was the first to name RF-981
+    assert '<p class="big">0</p>' in dashboard_card(
+        compliance, "shared-references"
+    )  # inv-2 was the first to name RF-981
     api.intent(invocation_id="inv-3", idempotency_key="key-3", attempt_id="a1")
     api.outcome("inv-3", "a1", kind="succeeded", business_reference="RF-981")
-    card = shared_card()
+    card = dashboard_card(compliance, "shared-references")
     assert '<p class="big">1</p>' in card
     assert 'href="/audit/?flag=reference_shared"' in card
 

@@ -212,6 +212,25 @@ def test_beat_flags_an_attempt_admitted_beyond_the_declared_rate(
     assert list(flagged.values_list("invocation_id", flat=True)) == ["inv-3"]
 
 
+def test_beat_flags_the_earlier_invocation_naming_a_shared_reference(
+    api: Api, refund: Capability, workers: Workers, tmp_path: Path
+) -> None:
+    """Two refunds named RF-1: the second is flagged as it is recorded, and the first
+    once beat has sealed the second's outcome and the reference watch has read it."""
+    workers.start()
+    workers.beat(
+        tmp_path, LEDGER_SEAL_INTERVAL_SECONDS="1", LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS="1"
+    )
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+        api.outcome(f"inv-{n}", "a1", kind="succeeded", business_reference="RF-1")
+    wait_for(lambda: Event.objects.filter(kind="reference_shared").exists())
+    flagged = Invocation.objects.filter(flags__contains=["reference_shared"])
+    assert sorted(flagged.values_list("invocation_id", flat=True)) == ["inv-1", "inv-2"]
+    (told,) = Event.objects.filter(kind="reference_shared")
+    assert (told.invocation.invocation_id, told.actor) == ("inv-1", "ledger:reference_watch")
+
+
 def test_beat_has_a_worker_make_the_event_partition_missing_ahead(
     workers: Workers, tmp_path: Path
 ) -> None:
