@@ -109,33 +109,39 @@ def search(data: dict[str, Any]) -> QuerySet[Invocation]:
         rows = rows.filter(created_at__lt=data["until"])
     if data.get("flag"):
         rows = rows.filter(flags__contains=[data["flag"]])
-    if data.get("operator"):
-        # Spelled with the partial index's own condition so PostgreSQL can use it.
-        people = Event.objects.filter(actor__startswith="user:")
-        acted = people.filter(actor=f"user:{data['operator']}").values("invocation_id")
-        rows = rows.filter(pk__in=acted)
-    if data.get("business_reference"):
-        naming = naming_reference(data["business_reference"]).values("invocation_id")
-        rows = rows.filter(pk__in=naming)
     newest_first = data.get("order", "newest") != "oldest"
+    # The events searched below are those of invocations recorded in the time range and
+    # past the cursor: said of their partition key too, so the other months are not read.
+    events = Event.objects.recorded_between(data.get("since"), data.get("until"))
     if data.get("after"):
         at, pk = data["after"]
         # (created_at, id) past the cursor, written so the range bounds an index scan.
         if newest_first:
             rows = rows.filter(created_at__lte=at).exclude(created_at=at, pk__gte=pk)
+            events = events.recorded_between(None, at + dt.timedelta(microseconds=1))
         else:
             rows = rows.filter(created_at__gte=at).exclude(created_at=at, pk__lte=pk)
+            events = events.recorded_between(at, None)
+    if data.get("operator"):
+        # Spelled with the partial index's own condition so PostgreSQL can use it.
+        people = events.filter(actor__startswith="user:")
+        acted = people.filter(actor=f"user:{data['operator']}").values("invocation_id")
+        rows = rows.filter(pk__in=acted)
+    if data.get("business_reference"):
+        naming = naming_reference(data["business_reference"], events).values("invocation_id")
+        rows = rows.filter(pk__in=naming)
     if newest_first:
         return rows.order_by("-created_at", "-pk")
     return rows.order_by("created_at", "pk")
 
 
-def naming_reference(reference: str) -> QuerySet[Event]:
-    """The events whose data names this business reference.
+def naming_reference(reference: str, events: QuerySet[Event] | None = None) -> QuerySet[Event]:
+    """The events (of `events`, or all) whose data names this business reference.
 
     Spelled with event_business_reference's own condition so PostgreSQL can use it.
     """
-    return Event.objects.filter(HAS_BUSINESS_REFERENCE, data__business_reference=reference)
+    events = Event.objects.all() if events is None else events
+    return events.filter(HAS_BUSINESS_REFERENCE, data__business_reference=reference)
 
 
 def invocations_naming(reference: str, *, besides: str, limit: int) -> list[Invocation]:

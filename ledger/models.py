@@ -501,6 +501,25 @@ class NamedReference(models.Model):
         return self.reference
 
 
+class EventQuerySet(models.QuerySet["Event"]):
+    def of(self, invocation: Invocation) -> EventQuerySet:
+        """The invocation's events, read in its own month's partition only: PostgreSQL
+        looks in every month's index for an invocation whose month it is not told."""
+        return self.filter(invocation=invocation.pk, invocation_created_at=invocation.created_at)
+
+    def recorded_between(
+        self, since: dt.datetime | None, until: dt.datetime | None
+    ) -> EventQuerySet:
+        """The events of invocations recorded in [since, until): the months outside it
+        are not read."""
+        rows = self
+        if since is not None:
+            rows = rows.filter(invocation_created_at__gte=since)
+        if until is not None:
+            rows = rows.filter(invocation_created_at__lt=until)
+        return rows
+
+
 class Event(models.Model):
     """An append-only fact, hash-chained per invocation.
 
@@ -524,6 +543,8 @@ class Event(models.Model):
     # The partition key: the invocation's created_at, which nothing can change, so an
     # invocation's events share one partition (the evidence SQL copies it, ledger/store.py).
     invocation_created_at = models.DateTimeField(editable=False)
+
+    objects = EventQuerySet.as_manager()
 
     class Meta:
         constraints = [

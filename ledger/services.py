@@ -289,8 +289,7 @@ class _Work:
             return True
         if invocation.pk is None:
             return False
-        kept = Event.objects.filter(
-            invocation_id=invocation.pk,
+        kept = Event.objects.of(invocation).filter(
             kind="outcome_conflict",
             data__attempt_id=attempt_id,
             data__claimed=claim,
@@ -750,9 +749,9 @@ def _names_another_effect(invocation: Invocation, item: OutcomeInput) -> bool:
     if not (settled_present and item.business_reference and invocation.pk is not None):
         return False
     named = set(
-        Event.objects.filter(HAS_BUSINESS_REFERENCE, invocation_id=invocation.pk).values_list(
-            "data__business_reference", flat=True
-        )
+        Event.objects.of(invocation)
+        .filter(HAS_BUSINESS_REFERENCE)
+        .values_list("data__business_reference", flat=True)
     )
     return bool(named) and item.business_reference not in named
 
@@ -869,8 +868,12 @@ def with_heads(rows: QuerySet[Invocation]) -> QuerySet[Invocation]:
     """The rows, each with the recorded state and hash of the event it counts as its
     last, and the data and actor of its intent's event (`refuse_rows_disagreeing`
     compares them)."""
-    head = Event.objects.filter(invocation=OuterRef("pk"), seq=OuterRef("event_count"))
-    intent = Event.objects.filter(invocation=OuterRef("pk"), seq=1)
+    # Each in the row's own month partition (`Event.objects.of`).
+    events = Event.objects.filter(
+        invocation=OuterRef("pk"), invocation_created_at=OuterRef("created_at")
+    )
+    head = events.filter(seq=OuterRef("event_count"))
+    intent = events.filter(seq=1)
     return rows.annotate(
         head_state=Subquery(head.values("data__state")),
         head_event_hash=Subquery(head.values("hash")),

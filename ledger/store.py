@@ -508,7 +508,8 @@ SELECT (
                    ORDER BY a.number), '[]')
                  FROM ledger_attempt a WHERE a.invocation_id = i.id),
     'events', (SELECT coalesce(json_agg(e ORDER BY e.seq), '[]')
-               FROM ledger_event e WHERE e.invocation_id = i.id))
+               FROM ledger_event e
+               WHERE e.invocation_id = i.id AND e.invocation_created_at = i.created_at))
   FROM ledger_invocation i
   WHERE i.invocation_id = $1 AND i.runtime_id = $2),
   {token_active}

@@ -168,7 +168,7 @@ def queue_counts(request: HttpRequest) -> HttpResponse:
 def timeline(invocation: Invocation) -> list[dict[str, Any]]:
     """Every event with whether its link in the chain verifies."""
     entries, prev = [], chain.GENESIS_HASH
-    for event in invocation.events.order_by("seq"):
+    for event in Event.objects.of(invocation).order_by("seq"):
         computed = chain.event_hash(event.prev_hash, event_body(event, invocation.invocation_id))
         entries.append(
             {"event": event, "verified": event.prev_hash == prev and computed == event.hash}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import psycopg
@@ -14,12 +14,15 @@ from django.db import DataError, OperationalError, ProgrammingError, connection,
 from django.utils import timezone
 
 from ledger import tasks
-from ledger.integrity import seal_events, verify
+from ledger.audit import page_cursor, parse_cursor, search
+from ledger.integrity import restore_projection, seal_events, verify, verify_next_slice
 from ledger.metrics import background_work, exposition
 from ledger.models import Capability, Event, Invocation, SealedEvent
 from ledger.partitions import create_event_partitions, month_partition, partition_state
+from reconciliation.sweeper import sweep
 from tests.conftest import Api, person
-from tests.ledger.conftest import at_migration
+from tests.ledger.conftest import at_migration, superuser_sql
+from tests.ledger.test_audit import search_ids
 from tests.ledger.test_metrics import samples
 
 pytestmark = pytest.mark.django_db
@@ -239,3 +242,77 @@ def test_a_sealed_events_event_is_read_in_its_own_partition_only(
     assert len(re.findall(r"Index Scan .* on ledger_event_", plan)) > 10, plan  # every month
     loops = re.findall(r"on ledger_event_\w+ .*\(actual .* loops=(\d+)\)", plan)
     assert sum(int(n) for n in loops) == seal.event_count, plan  # the rest never executed
+
+
+def partitions_read(action: Callable[[], object]) -> set[str]:
+    """The event table's partitions that `action` scans, by this transaction's own
+    statistics (pg_stat_xact_user_tables): those PostgreSQL pruned are not scanned."""
+
+    def scans() -> dict[str, int]:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT relname, seq_scan + coalesce(idx_scan, 0) FROM pg_stat_xact_user_tables "
+                "WHERE relname LIKE 'ledger\\_event\\_%%'"
+            )
+            return dict(cursor.fetchall())
+
+    before = scans()
+    action()
+    return {name for name, count in scans().items() if count > before.get(name, 0)}
+
+
+def test_reads_that_know_an_invocations_month_read_no_other(api: Api, refund: Capability) -> None:
+    create_event_partitions(since=dt.datetime(2025, 10, 1, tzinfo=dt.UTC))
+    with ledger_clock_at(dt.datetime(2025, 10, 15, tzinfo=dt.UTC)):
+        api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    api.intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
+    october = {"ledger_event_2025_10"}
+    operator = person("olga", "operator")
+
+    assert partitions_read(lambda: api.get("/api/v1/invocations/inv-1")) == october
+    both = october | {month_partition(timezone.now())}
+    assert partitions_read(lambda: api.get("/api/v1/invocations")) == both
+    assert partitions_read(sweep) == october  # inv-1's attempt is long overdue
+    assert partitions_read(lambda: operator.get("/")) == october  # the queue
+    assert partitions_read(lambda: operator.get("/invocations/inv-1/")) == october
+    assert partitions_read(lambda: verify_next_slice(invocations=1)) == october
+    superuser_sql("UPDATE ledger_invocation SET subject = 'x' WHERE invocation_id = 'inv-1'")
+    assert (
+        partitions_read(
+            lambda: restore_projection(invocation_id="inv-1", actor="user:ada", reason="test")
+        )
+        == october
+    )
+    assert Invocation.objects.get(invocation_id="inv-1").subject != "x"
+
+
+def test_an_audit_search_through_events_reads_only_the_months_of_its_time_range(
+    api: Api, refund: Capability
+) -> None:
+    """By operator or business reference: their events are in the months of the
+    invocations the range lets through, and the next page's cursor bounds them too."""
+    create_event_partitions(since=dt.datetime(2025, 10, 1, tzinfo=dt.UTC))
+    for name, month in (("inv-1", 10), ("inv-2", 11)):
+        with ledger_clock_at(dt.datetime(2025, month, 15, tzinfo=dt.UTC)):
+            api.intent(invocation_id=name, idempotency_key=name, attempt_id="a1")
+            api.outcome(name, "a1", kind="succeeded", business_reference="RF-1")
+    reviewer = person("cora", "compliance")
+    november = month_partition(dt.datetime(2025, 11, 1, tzinfo=dt.UTC))
+    this_month = month_partition(timezone.now())
+
+    def found(**filters: str) -> tuple[set[str], set[str]]:
+        shown: set[str] = set()
+        read = partitions_read(lambda: shown.update(search_ids(reviewer, **filters)))
+        return shown, read
+
+    in_november = {"since": "2025-11-01 00:00", "until": "2025-12-01 00:00"}
+    assert found(business_reference="RF-1", **in_november) == ({"inv-2"}, {november})
+    shown, read = found(business_reference="RF-1")
+    assert shown == {"inv-1", "inv-2"} and "ledger_event_2025_10" in read and this_month in read
+    after_inv_2 = parse_cursor(page_cursor(Invocation.objects.get(invocation_id="inv-2")))
+    newest_first = search({"business_reference": "RF-1", "after": after_inv_2})
+    # The months after the cursor's are left out of the plan; the default partition
+    # stays, for the months before October that have none.
+    planned = set(re.findall(r" on (ledger_event_\w+)", newest_first.explain()))
+    assert planned == {"ledger_event_2025_10", november, "ledger_event_default"}
+    assert [row.invocation_id for row in newest_first] == ["inv-1"]

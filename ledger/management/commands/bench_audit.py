@@ -167,7 +167,9 @@ class Command(BaseCommand):
             "flag": {"flag": "undeclared"},
             "capability + month": {"capability": "cap.3", **month},
             "operator": {"operator": "olga"},
+            "operator + month": {"operator": "olga", **month},
             "business reference": {"business_reference": "RF-42"},
+            "business reference + month": {"business_reference": "RF-10000", **month},
         }
         timings: dict[str, Any] = {}
         for label, data in filters.items():
