@@ -449,6 +449,7 @@ class Command(BaseCommand):
                 sent, elapsed = run_clients(batch_worker, clients, (port, token), seconds)
                 results[f"batch_{clients}"] = items_rate(sent, elapsed)
         results["rate_watch"] = self.rate_watch(bench_db)
+        results["reference_watch"] = self.reference_watch()
         with psycopg.connect(bench_conninfo) as conn:
             (template,) = conn.execute(
                 "SELECT invocation_id FROM ledger_invocation WHERE invocation_id LIKE 'batch-%%' "
@@ -655,6 +656,27 @@ class Command(BaseCommand):
         }
 
     @staticmethod
+    def reference_watch() -> dict[str, Any]:
+        """The reference watch over every event the API wrote, sealed by rate_watch:
+        what a watch costs that reads only the few events naming a shared reference."""
+        from ledger import shared_references
+        from ledger.models import SealedEvent
+
+        sealed = SealedEvent.objects.count()
+        runs: list[shared_references.Watched] = []
+        started = time.perf_counter()
+        while not runs or not runs[-1].caught_up:
+            runs.append(shared_references.watch_shared_references())
+        watch_seconds = time.perf_counter() - started
+        return {
+            "sealed_events": sealed,
+            "shared": sum(run.shared for run in runs),
+            "flagged": sum(len(run.flagged) for run in runs),
+            "runs": len(runs),
+            "watch_seconds": round(watch_seconds, 3),
+        }
+
+    @staticmethod
     def interleaved(
         port: int, web_pid: int, token: str, conninfo: str, seconds: float, rounds: int
     ) -> dict[str, Any]:
@@ -855,5 +877,12 @@ class Command(BaseCommand):
             f"{watch['watch_seconds']} s ({watch['admissions_per_second']}/s, {watch['runs']} "
             f"runs); sealing the API's {watch['sealed_events']} events took "
             f"{watch['seal_seconds']} s ({watch['sealed_per_second']}/s)"
+        )
+        references = results["reference_watch"]
+        out(
+            f"reference watch: {references['sealed_events']} sealed events read in "
+            f"{references['watch_seconds']} s ({references['runs']} runs), "
+            f"{references['shared']} naming a shared reference, {references['flagged']} "
+            "earlier invocations flagged"
         )
         out(json.dumps(results, sort_keys=True))
