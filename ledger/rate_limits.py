@@ -170,21 +170,21 @@ def watch_rate_limits(*, batch: int | None = None) -> Watched:
             watch.through_sequence = max(watch.through_sequence, through)
         # Breaches found before a limit was withdrawn are still recorded.
         waiting = [entry for watch in kept.values() for entry in watch.unrecorded]
-        refused = FLAGGING.record(waiting, found)
+        recorded = FLAGGING.record(waiting, found)
+        refused = recorded.refused
         for watch in kept.values():
             watch.unrecorded = [entry for entry in refused if entry["scope"] == watch.scope]
         _save(kept.values())
-    flagged = watches.invocations_flagged(waiting + found, refused)
     if found or waiting:
         log.info(
             "rate watch through_sequence=%d breaches=%d flagged=%d unrecorded=%d",
-            through, len(found), len(flagged), len(refused),
+            through, len(found), len(recorded.flagged), len(refused),
         )  # fmt: skip
     return Watched(
         admissions=len(read),
         caught_up=through == sealed,
         breaches=len(found),
-        flagged=flagged,
+        flagged=recorded.flagged,
         unrecorded=len(refused),
     )
 

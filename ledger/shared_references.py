@@ -69,19 +69,19 @@ def watch_shared_references(*, batch: int | None = None) -> Watched:
         later = [row for row in sealed_sharing(watch.through_sequence, through) if row[2]]
         found = _earlier_namers(later)
         waiting = watch.unrecorded
-        refused = FLAGGING.record(waiting, found)
+        recorded = FLAGGING.record(waiting, found)
+        refused = recorded.refused
         watch.through_sequence, watch.unrecorded = through, refused
         watch.save()
-    flagged = watches.invocations_flagged(waiting + found, refused)
     if found or waiting:
         log.info(
             "reference watch through_sequence=%d shared=%d flagged=%d unrecorded=%d",
-            through, len(later), len(flagged), len(refused),
+            through, len(later), len(recorded.flagged), len(refused),
         )  # fmt: skip
     return Watched(
         shared=len(later),
         caught_up=through == sealed,
-        flagged=flagged,
+        flagged=recorded.flagged,
         unrecorded=len(refused),
     )
 

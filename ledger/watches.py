@@ -40,9 +40,12 @@ def exclusive(watch: str) -> None:
         cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [watch])
 
 
-def invocations_flagged(entries: list[Entry], refused: list[Entry]) -> list[str]:
-    """The invocations of the entries that were recorded, each once, sorted."""
-    return sorted({e["invocation_id"] for e in entries} - {e["invocation_id"] for e in refused})
+@dataclass(frozen=True)
+class Recorded:
+    flagged: list[str]  # the invocations flagged, sorted
+    # The entries the ledger refused to record: their invocations' rows were changed
+    # outside it. The watch keeps them to try again next run.
+    refused: list[Entry]
 
 
 @dataclass(frozen=True)
@@ -57,34 +60,37 @@ class Flagging:
     log: logging.Logger
     name: str
 
-    def record(self, waiting: list[Entry], found: list[Entry]) -> list[Entry]:
-        """Flag the invocations of these entries, one event each; the entries the
-        ledger refused to record (their invocation's row was changed outside it), to
-        try again next run. A refusal is logged when it is new (one of `found`)."""
+    def record(self, waiting: list[Entry], found: list[Entry]) -> Recorded:
+        """Flag the invocations of these entries, one event each. A refusal is logged
+        when it is new (for one of `found`)."""
         by_invocation: dict[str, list[Entry]] = {}
         for entry in waiting + found:
             by_invocation.setdefault(entry["invocation_id"], []).append(entry)
+        flagged: list[str] = []
         refused: list[Entry] = []
         for unit in itertools.batched(by_invocation, FLAGS_PER_WRITE):
-            for invocation_id, error in self._flag(list(unit), by_invocation):
+            for invocation_id, outcome in self._flag(list(unit), by_invocation):
+                if not isinstance(outcome, LedgerError):
+                    flagged.append(invocation_id)
+                    continue
                 entries = by_invocation[invocation_id]
                 refused += entries
                 if any(entry in found for entry in entries):
                     self.log.error(
                         "%s could not flag invocation=%s error=%s: %s",
-                        self.name, invocation_id, error.type, error.message,
+                        self.name, invocation_id, outcome.type, outcome.message,
                     )  # fmt: skip
-        return refused
+        return Recorded(flagged=sorted(flagged), refused=refused)
 
     def _flag(
         self, invocation_ids: list[str], by_invocation: Mapping[str, list[Entry]]
-    ) -> list[tuple[str, LedgerError]]:
-        """Flag the invocations in one write; those the ledger refused, with why. A
-        refused unit is tried again one invocation at a time, so that one refused row
-        does not hold up the rest."""
+    ) -> list[tuple[str, LedgerError | None]]:
+        """Flag the invocations in one write: those flagged (None) and those the
+        ledger refused, with why. A refused unit is tried again one invocation at a
+        time, so that one refused row does not hold up the rest."""
         try:
             with transaction.atomic():
-                invocation_transitions(
+                changed = invocation_transitions(
                     invocation_ids=invocation_ids,
                     actor=self.actor,
                     kind=self.kind,
@@ -95,7 +101,5 @@ class Flagging:
         except LedgerError as error:
             if len(invocation_ids) == 1:
                 return [(invocation_ids[0], error)]
-            return [
-                refused for one in invocation_ids for refused in self._flag([one], by_invocation)
-            ]
-        return []
+            return [each for one in invocation_ids for each in self._flag([one], by_invocation)]
+        return [(invocation.invocation_id, None) for invocation in changed]

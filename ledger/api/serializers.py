@@ -80,7 +80,9 @@ class StateSerializer(serializers.Serializer):
                 f"{flag.value}: {meaning}." for flag, meaning in policy.FLAG_MEANINGS.items()
             )
             + " The ledger's rate watch sets rate_limit_exceeded within minutes of the "
-            "admission, so a later read may show it."
+            "admission, and its reference watch sets reference_shared within minutes of "
+            "a later invocation's evidence naming the same business reference, so a later "
+            "read may show them."
         ),
     )
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 from django.db import connection, transaction
 
+from ledger import shared_references
 from ledger.integrity import restore_projection, seal_events, verify
 from ledger.models import Capability, Event, Invocation, ReferenceWatch
 from ledger.shared_references import sealed_sharing, unflagged_namers, watch_shared_references
@@ -107,6 +108,26 @@ def test_each_earlier_namer_is_told_once_however_many_name_it_later(
     assert [len(told(f"inv-{n}")) for n in range(1, 6)] == [1, 1, 0, 0, 0]
     assert told("inv-1")[0].data["named_later"] == [
         {"business_reference": "RF-1", "also_named_by": ["inv-3"]}
+    ]
+
+
+def test_a_namer_flagged_after_it_was_read_is_neither_flagged_again_nor_counted(
+    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As if inv-2's own evidence had flagged it between the watch's read and its
+    write: the write reads the row again and leaves it."""
+    settle_all(api, "RF-1", "RF-1", "RF-1")
+    seal_events()
+    namers = Event.objects.filter(data__business_reference="RF-1").values_list(
+        "data__business_reference", "invocation__invocation_id"
+    )
+    monkeypatch.setattr(shared_references, "unflagged_namers", lambda references: namers)
+
+    assert watch_shared_references().flagged == ["inv-1"]
+
+    assert told("inv-2") == [] and len(told("inv-1")) == 1
+    assert told("inv-1")[0].data["named_later"] == [
+        {"business_reference": "RF-1", "also_named_by": ["inv-2", "inv-3"]}
     ]
 
 
