@@ -152,10 +152,14 @@ def invocations_naming(reference: str, *, besides: str, limit: int) -> list[Invo
     return list(rows.order_by("created_at", "pk")[:limit])
 
 
-def export_rows(invocations: QuerySet[Invocation]) -> Iterator[dict[str, Any]]:
-    """Every event of the matching invocations, one row each, in constant memory."""
+def export_rows(filters: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every event of the invocations the search's filters match (every page of
+    them), one row each, in constant memory."""
+    invocations = search({**filters, "after": None})
+    # Their events are in the months of the time range: the others are not read.
+    months = Event.objects.recorded_between(filters.get("since"), filters.get("until"))
     events = (
-        Event.objects.filter(invocation__in=invocations.order_by().values("pk"))
+        months.filter(invocation__in=invocations.order_by().values("pk"))
         .select_related("invocation__runtime")
         .order_by("invocation_id", "seq")
     )

@@ -205,7 +205,7 @@ def audit_export(request: HttpRequest, fmt: str) -> HttpResponse | StreamingHttp
         # Exporting everything in place of a filter that did not parse would hand
         # the reviewer the wrong evidence.
         return HttpResponseBadRequest(form.errors.as_text(), content_type="text/plain")
-    rows = export_rows(search({**form.cleaned_data, "after": None}))
+    rows = export_rows(form.cleaned_data)
     lines = csv_lines(rows) if fmt == "csv" else jsonl_lines(rows)
     content_type = "text/csv" if fmt == "csv" else "application/x-ndjson"
     response = StreamingHttpResponse(lines, content_type=content_type)

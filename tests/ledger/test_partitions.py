@@ -7,6 +7,7 @@ import datetime as dt
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 import pytest
@@ -14,7 +15,7 @@ from django.db import DataError, OperationalError, ProgrammingError, connection,
 from django.utils import timezone
 
 from ledger import tasks
-from ledger.audit import page_cursor, parse_cursor, search
+from ledger.audit import export_rows, page_cursor, parse_cursor, search
 from ledger.integrity import restore_projection, seal_events, verify, verify_next_slice
 from ledger.metrics import background_work, exposition
 from ledger.models import Capability, Event, Invocation, SealedEvent
@@ -289,8 +290,9 @@ def test_reads_that_know_an_invocations_month_read_no_other(api: Api, refund: Ca
 def test_an_audit_search_through_events_reads_only_the_months_of_its_time_range(
     api: Api, refund: Capability
 ) -> None:
-    """By operator or business reference: their events are in the months of the
-    invocations the range lets through, and the next page's cursor bounds them too."""
+    """By operator or business reference, and the export: their events are in the
+    months of the invocations the range lets through, and the next page's cursor
+    bounds them too."""
     create_event_partitions(since=dt.datetime(2025, 10, 1, tzinfo=dt.UTC))
     for name, month in (("inv-1", 10), ("inv-2", 11)):
         with ledger_clock_at(dt.datetime(2025, month, 15, tzinfo=dt.UTC)):
@@ -307,6 +309,13 @@ def test_an_audit_search_through_events_reads_only_the_months_of_its_time_range(
 
     in_november = {"since": "2025-11-01 00:00", "until": "2025-12-01 00:00"}
     assert found(business_reference="RF-1", **in_november) == ({"inv-2"}, {november})
+    exported: list[dict[str, Any]] = []
+    november_range = {
+        "since": dt.datetime(2025, 11, 1, tzinfo=dt.UTC),
+        "until": dt.datetime(2025, 12, 1, tzinfo=dt.UTC),
+    }
+    assert partitions_read(lambda: exported.extend(export_rows(november_range))) == {november}
+    assert {row["invocation_id"] for row in exported} == {"inv-2"} and len(exported) == 3
     shown, read = found(business_reference="RF-1")
     assert shown == {"inv-1", "inv-2"} and "ledger_event_2025_10" in read and this_month in read
     after_inv_2 = parse_cursor(page_cursor(Invocation.objects.get(invocation_id="inv-2")))

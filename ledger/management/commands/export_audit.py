@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from ledger.audit import AuditFilterForm, csv_lines, export_rows, jsonl_lines, search
+from ledger.audit import AuditFilterForm, csv_lines, export_rows, jsonl_lines
 
 
 class Command(BaseCommand):
@@ -24,7 +24,7 @@ class Command(BaseCommand):
         form = AuditFilterForm(given)
         if not form.is_valid():
             raise CommandError(f"invalid filters: {form.errors.as_text()}")
-        rows = export_rows(search({**form.cleaned_data, "after": None}))
+        rows = export_rows(form.cleaned_data)
         lines = csv_lines(rows) if format == "csv" else jsonl_lines(rows)
         for line in lines:
             self.stdout.write(line, ending="")
