@@ -26,8 +26,8 @@ several workers would each hold a different part of.
   so far by the running one, and `ledger_verification_finished_timestamp_seconds`,
   when the last pass finished;
 - `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier, the
-  rate watch, the reference watch or the partition maker has fallen behind by the rules of
-  `BackgroundWork`, which the console's dashboard shows too. A row the sweep refuses
+  rate watch, the reference watch or the partition maker has fallen behind by the
+  rules of `BackgroundWork`, which the console's dashboard shows too. A row the sweep refuses
   does not count: it waits for an admin, not for beat;
 - `ledger_rate_limit_breaches_unrecorded`: attempts the rate watch found admitted
   beyond a declared rate limit whose invocations' rows were changed outside the
@@ -352,9 +352,8 @@ class LedgerCollector(Collector):
             "1 when beat's sweeper (an attempt overdue for 12 sweep intervals), sealer "
             "(events newer than the newest seal by 10 seal intervals), verifier (no slice "
             "verified for 10 intervals), rate or reference watch (a seal unread for 10 "
-            "intervals) or "
-            "partition maker (none made for next month, or events in the default partition) "
-            "is not keeping up.",
+            "intervals) or partition maker (none made for next month, or events in the "
+            "default partition) is not keeping up.",
             labels=["work"],
         )
         behind.add_metric(["sweeper"], int(work.sweeper_behind))
