@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
+from django.core.management import call_command
 from django.db import connection, transaction
 
 from ledger import shared_references
@@ -17,6 +19,7 @@ from ledger.tasks import watch_shared_references as beats_task
 from tests.conftest import Api, person
 from tests.ledger.conftest import killed_while_it_waits_on_a_row, superuser_sql
 from tests.ledger.test_audit import copies_of_index
+from tests.ledger.test_bundle import verify as verify_bundle
 
 FLAG = "reference_shared"
 
@@ -67,6 +70,26 @@ def test_the_earlier_namer_is_flagged_once_the_later_ones_evidence_is_sealed(
     assert len(told("inv-1")) == 1 and told("inv-2") == []
     # The flag is a step the retry policy explains, and the row agrees with its events.
     assert verify(projections=True).ok
+
+
+def test_an_evidence_bundle_with_the_flag_verifies_offline(
+    api: Api, refund: Capability, tmp_path: Path
+) -> None:
+    """The standalone verifier replays the flag's event through the retry policy too."""
+    settle_all(api, "RF-1", "RF-1")
+    seal_events()
+    watch_shared_references()
+    seal_events()
+    folder = tmp_path / "bundle"
+
+    call_command("export_bundle", str(folder), invocation="inv-1")
+
+    result = verify_bundle(folder)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == "OK: 4 events and 2 seals verified"
+    lines = (folder / "events.jsonl").read_text().splitlines()
+    kinds = [json.loads(json.loads(line)["body"])["kind"] for line in lines]
+    assert kinds[-1] == "reference_shared"
 
 
 def test_another_runtimes_later_invocation_is_counted_and_never_named(
