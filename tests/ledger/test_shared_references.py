@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
@@ -16,10 +19,11 @@ from ledger.integrity import restore_projection, seal_events, verify
 from ledger.models import Capability, Event, Invocation, ReferenceWatch
 from ledger.shared_references import sealed_sharing, unflagged_namers, watch_shared_references
 from ledger.tasks import watch_shared_references as beats_task
-from tests.conftest import Api, person
+from tests.conftest import ROOT, Api, person, process_env, wait_for
 from tests.ledger.conftest import killed_while_it_waits_on_a_row, superuser_sql
 from tests.ledger.test_audit import copies_of_index
 from tests.ledger.test_bundle import verify as verify_bundle
+from tests.ledger.test_faults import admin_conninfo
 
 FLAG = "reference_shared"
 
@@ -248,6 +252,45 @@ def test_a_watch_killed_halfway_records_nothing_and_the_next_run_reads_it_again(
     assert Event.objects.filter(kind=FLAG).count() == 2
 
 
+@pytest.mark.django_db(transaction=True)
+def test_two_runs_at_once_flag_each_invocation_once(api: Api, refund: Capability) -> None:
+    """Two watches in their own processes: the second waits for the first (an advisory
+    lock) while the first waits on a row, then reads from where the first left off."""
+    settle_all(api, "RF-1", "RF-2", "RF-1", "RF-2")
+    seal_events()
+    run = [sys.executable, "-c", RUN_AND_SAY]
+    with (
+        psycopg.connect(admin_conninfo()) as holder,
+        psycopg.connect(admin_conninfo(), autocommit=True) as onlooker,
+    ):
+        holder.execute("SELECT 1 FROM ledger_invocation WHERE invocation_id = 'inv-2' FOR UPDATE")
+        first = subprocess.Popen(run, cwd=ROOT, env=process_env(), stdout=subprocess.PIPE)
+
+        def waiting_on(event: str, query: str) -> bool:
+            found = onlooker.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND wait_event = %s AND query LIKE %s",
+                [event, query],
+            ).fetchone()
+            return found == (1,)
+
+        # The first waits on inv-2's row, holding the watch's lock; the second, on that.
+        wait_for(lambda: waiting_on("transactionid", "%ledger_invocation%"))
+        second = subprocess.Popen(run, cwd=ROOT, env=process_env(), stdout=subprocess.PIPE)
+        wait_for(lambda: waiting_on("advisory", "%pg_advisory_xact_lock%"))
+        holder.rollback()
+        said = [process.communicate(timeout=60)[0].decode().strip() for process in (first, second)]
+
+    assert said == ["['inv-1', 'inv-2']", "[]"]
+    assert flagged() == ["inv-1", "inv-2", "inv-3", "inv-4"]
+    assert Event.objects.filter(kind=FLAG).count() == 2
+
+
+RUN_AND_SAY = (
+    "import django; django.setup(); "
+    "from ledger import shared_references; "
+    "print(shared_references.watch_shared_references().flagged)"
+)
 RUN_THE_WATCH = (
     "import django; django.setup(); "
     "from ledger import shared_references, watches; watches.FLAGS_PER_WRITE = 1; "
