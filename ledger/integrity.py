@@ -668,13 +668,14 @@ def export_bundle(
     """Write an evidence bundle that `python -m ledger.verify_bundle` checks
     offline: events (whole chains), their covering seals, a manifest of hashes."""
     folder.mkdir(parents=True, exist_ok=True)
-    invocations = Invocation.objects.all()
+    in_scope = Event.objects.all()
     if invocation_id:
-        invocations = invocations.filter(invocation_id=invocation_id)
-    window = time_window(since, until)
-    touched = Event.objects.filter(window, invocation__in=invocations).values("invocation_id")
+        # One invocation's events are in its own month's partition only.
+        invocation = Invocation.objects.filter(invocation_id=invocation_id).first()
+        in_scope = Event.objects.none() if invocation is None else Event.objects.of(invocation)
+    touched = in_scope.filter(time_window(since, until)).values("invocation_id")
     events = (
-        Event.objects.filter(invocation__in=touched)
+        in_scope.filter(invocation__in=touched)
         .select_related("invocation", "sealed__seal")
         .order_by("invocation_id", "seq")
     )

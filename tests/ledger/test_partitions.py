@@ -7,6 +7,7 @@ import datetime as dt
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -16,7 +17,13 @@ from django.utils import timezone
 
 from ledger import tasks
 from ledger.audit import export_rows, page_cursor, parse_cursor, search
-from ledger.integrity import restore_projection, seal_events, verify, verify_next_slice
+from ledger.integrity import (
+    export_bundle,
+    restore_projection,
+    seal_events,
+    verify,
+    verify_next_slice,
+)
 from ledger.metrics import background_work, exposition
 from ledger.models import Capability, Event, Invocation, SealedEvent
 from ledger.partitions import create_event_partitions, month_partition, partition_state
@@ -262,7 +269,9 @@ def partitions_read(action: Callable[[], object]) -> set[str]:
     return {name for name, count in scans().items() if count > before.get(name, 0)}
 
 
-def test_reads_that_know_an_invocations_month_read_no_other(api: Api, refund: Capability) -> None:
+def test_reads_that_know_an_invocations_month_read_no_other(
+    api: Api, refund: Capability, tmp_path: Path
+) -> None:
     create_event_partitions(since=dt.datetime(2025, 10, 1, tzinfo=dt.UTC))
     with ledger_clock_at(dt.datetime(2025, 10, 15, tzinfo=dt.UTC)):
         api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
@@ -277,6 +286,10 @@ def test_reads_that_know_an_invocations_month_read_no_other(api: Api, refund: Ca
     assert partitions_read(lambda: operator.get("/")) == october  # the queue
     assert partitions_read(lambda: operator.get("/invocations/inv-1/")) == october
     assert partitions_read(lambda: verify_next_slice(invocations=1)) == october
+    bundled = partitions_read(lambda: export_bundle(tmp_path / "bundle", invocation_id="inv-1"))
+    assert bundled == october
+    # Its intent, its attempt and the sweep's flag: the whole chain, from October.
+    assert len((tmp_path / "bundle" / "events.jsonl").read_text().splitlines()) == 3
     superuser_sql("UPDATE ledger_invocation SET subject = 'x' WHERE invocation_id = 'inv-1'")
     assert (
         partitions_read(
