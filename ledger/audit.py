@@ -118,10 +118,10 @@ def search(data: dict[str, Any]) -> QuerySet[Invocation]:
         # (created_at, id) past the cursor, written so the range bounds an index scan.
         if newest_first:
             rows = rows.filter(created_at__lte=at).exclude(created_at=at, pk__gte=pk)
-            events = events.recorded_between(None, at + dt.timedelta(microseconds=1))
+            events = events.filter(invocation_created_at__lte=at)
         else:
             rows = rows.filter(created_at__gte=at).exclude(created_at=at, pk__lte=pk)
-            events = events.recorded_between(at, None)
+            events = events.filter(invocation_created_at__gte=at)
     if data.get("operator"):
         # Spelled with the partial index's own condition so PostgreSQL can use it.
         people = events.filter(actor__startswith="user:")
