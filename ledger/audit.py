@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from django import forms
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from ledger import policy
 from ledger.models import HAS_BUSINESS_REFERENCE, Event, Invocation, Runtime
@@ -112,27 +112,39 @@ def search(data: dict[str, Any]) -> QuerySet[Invocation]:
     newest_first = data.get("order", "newest") != "oldest"
     # The events searched below are those of invocations recorded in the time range and
     # past the cursor: said of their partition key too, so the other months are not read.
-    events = Event.objects.recorded_between(data.get("since"), data.get("until"))
+    months: list[tuple[str, Any]] = []
+    if data.get("since"):
+        months.append(("gte", data["since"]))
+    if data.get("until"):
+        months.append(("lt", data["until"]))
     if data.get("after"):
         at, pk = data["after"]
         # (created_at, id) past the cursor, written so the range bounds an index scan.
         if newest_first:
             rows = rows.filter(created_at__lte=at).exclude(created_at=at, pk__gte=pk)
-            events = events.filter(invocation_created_at__lte=at)
+            months.append(("lte", at))
         else:
             rows = rows.filter(created_at__gte=at).exclude(created_at=at, pk__lte=pk)
-            events = events.filter(invocation_created_at__gte=at)
-    if data.get("operator"):
-        # Spelled with the partial index's own condition so PostgreSQL can use it.
-        people = events.filter(actor__startswith="user:")
-        acted = people.filter(actor=f"user:{data['operator']}").values("invocation_id")
-        rows = rows.filter(pk__in=acted)
+            months.append(("gte", at))
+
+    def in_months(prefix: str = "") -> Q:
+        return Q(*[(f"{prefix}invocation_created_at__{lookup}", b) for lookup, b in months])
+
     if data.get("business_reference"):
-        naming = naming_reference(data["business_reference"], events).values("invocation_id")
-        rows = rows.filter(pk__in=naming)
-    if newest_first:
-        return rows.order_by("-created_at", "-pk")
-    return rows.order_by("created_at", "pk")
+        naming = naming_reference(data["business_reference"], Event.objects.filter(in_months()))
+        rows = rows.filter(pk__in=naming.values("invocation_id"))
+    order = ["created_at", "pk"]
+    if data.get("operator"):
+        # Joined to the person's events, walked through event_by_person in the order of
+        # their invocations (whose created_at and id they copy), each invocation once: a
+        # page reads a page of them, however many invocations the person acted on. (As a
+        # semi-join, PostgreSQL read every one of them, then sorted.) The name alone
+        # implies the partial index's condition.
+        person = f"user:{data['operator']}"
+        acted = Q(events__actor=person) & in_months("events__")
+        order = ["events__invocation_created_at", "events__invocation_id"]
+        rows = rows.filter(acted).distinct(*order)
+    return rows.order_by(*([f"-{name}" for name in order] if newest_first else order))
 
 
 def naming_reference(reference: str, events: QuerySet[Event] | None = None) -> QuerySet[Event]:

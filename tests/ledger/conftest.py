@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.utils import timezone
 
 from ledger.integrity import seal_events
 from ledger.models import Capability
@@ -38,6 +39,14 @@ def superuser_sql(sql: str, *params: str | int | dt.datetime | list[str]) -> Non
             cursor.execute(sql, params)
         finally:
             cursor.execute("SET session_replication_role = origin")
+
+
+@contextmanager
+def ledger_clock_at(at: dt.datetime) -> Iterator[None]:
+    """The ledger's clock (django.utils.timezone.now, which the services read) at `at`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(timezone, "now", lambda: at)
+        yield
 
 
 @contextmanager

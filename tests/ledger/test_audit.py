@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import io
 import json
+from typing import Any
 
 import psycopg
 import pytest
@@ -15,12 +17,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ledger import policy
-from ledger.audit import csv_cell
+from ledger.audit import csv_cell, export_rows, page_cursor, parse_cursor, search
 from ledger.models import Capability, Event, Invocation
 from ledger.services import flag_missing_evidence
-from reconciliation.services import invocation_resolve
+from ledger.views import PAGE
+from reconciliation.services import invocation_assign, invocation_resolve, probe_requested
 from tests.conftest import Api
-from tests.ledger.conftest import superuser_sql
+from tests.ledger.conftest import ledger_clock_at, superuser_sql
 
 
 @pytest.fixture
@@ -131,6 +134,21 @@ def test_a_business_reference_is_found_through_its_index(history: None) -> None:
     assert sorted(found) == ["inv-1", "inv-21", "inv-41"]
 
 
+def test_an_operator_is_found_through_the_index_of_what_people_did(history: None) -> None:
+    """Their name alone lets PostgreSQL use event_by_person: the search carries no
+    second condition on the actor for it to misjudge."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        plan = search({"operator": "olga"}).explain()
+
+    assert any(copy in plan for copy in copies_of_index("event_by_person")), plan
+    assert "~~" not in plan  # no LIKE on the actor
+    assert sorted(search({"operator": "olga"}).values_list("invocation_id", flat=True)) == [
+        "inv-0",
+        "inv-10",
+    ]
+
+
 def test_pages_follow_a_keyset_without_overlap(history: None, reviewer: Client) -> None:
     first = reviewer.get("/audit/").content.decode()
     assert "Next page" in first and "OFFSET" not in first
@@ -152,6 +170,49 @@ def test_pages_break_ties_in_time_by_id(history: None, reviewer: Client) -> None
     )
     for order in ("newest", "oldest"):
         assert len(search_ids(reviewer, order=order)) == 60
+
+
+def every_page(**filters: Any) -> list[str]:
+    """The invocations a search shows, page after page as the console pages them."""
+    shown: list[str] = []
+    after = None
+    while True:
+        page = list(search({**filters, "after": after})[: PAGE + 1])
+        shown += [row.invocation_id for row in page[:PAGE]]
+        if len(page) <= PAGE:
+            return shown
+        after = parse_cursor(page_cursor(page[PAGE - 1]))
+
+
+def test_a_search_by_operator_shows_each_invocation_once_page_after_page(
+    api: Api, refund: Capability
+) -> None:
+    """Olga took each invocation, gave it back and took it again: three events each,
+    one row each. They were recorded in one microsecond, so every tie is broken by id."""
+    recorded = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    with ledger_clock_at(recorded):
+        for n in range(PAGE + 5):
+            api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    for n in range(PAGE + 5):
+        for take in (True, False, True):
+            invocation_assign(invocation_id=f"inv-{n}", actor="user:olga", take=take)
+    probe_requested(invocation_id="inv-3", actor="user:pat", queued=False)  # not hers
+    deadline = Invocation.objects.get(invocation_id="inv-7").deadline_at
+    assert deadline is not None
+    flag_missing_evidence(invocation_id="inv-7", now=deadline)
+
+    oldest_first = [f"inv-{n}" for n in range(PAGE + 5)]
+    assert every_page(operator="olga", order="oldest") == oldest_first
+    assert every_page(operator="olga") == oldest_first[::-1]
+    assert every_page(operator="pat") == ["inv-3"]
+    assert every_page(operator="olga", status="reconciliation_required") == ["inv-7"]
+    a_second = dt.timedelta(seconds=1)
+    assert every_page(operator="olga", since=recorded + a_second) == []
+    assert every_page(operator="olga", until=recorded + a_second, order="oldest") == oldest_first
+    # The export holds every event of those invocations, each once.
+    exported = [(row["invocation_id"], row["seq"]) for row in export_rows({"operator": "olga"})]
+    theirs = Event.objects.filter(invocation__invocation_id__in=oldest_first)
+    assert sorted(exported) == sorted(theirs.values_list("invocation__invocation_id", "seq"))
 
 
 def test_a_forged_cursor_is_refused_by_name(history: None, reviewer: Client) -> None:

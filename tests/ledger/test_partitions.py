@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from ledger.models import Capability, Event, Invocation, SealedEvent
 from ledger.partitions import create_event_partitions, month_partition, partition_state
 from reconciliation.sweeper import sweep
 from tests.conftest import Api, person
-from tests.ledger.conftest import at_migration, superuser_sql
+from tests.ledger.conftest import at_migration, ledger_clock_at, superuser_sql
 from tests.ledger.test_audit import search_ids
 from tests.ledger.test_metrics import samples
 
@@ -45,14 +44,6 @@ def partitions_holding(invocation_id: str) -> set[str]:
             [invocation_id],
         )
         return {name for (name,) in cursor.fetchall()}
-
-
-@contextmanager
-def ledger_clock_at(at: dt.datetime) -> Iterator[None]:
-    """The ledger's clock (django.utils.timezone.now, which the services read) at `at`."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(timezone, "now", lambda: at)
-        yield
 
 
 def test_an_invocations_events_stay_in_the_month_it_was_recorded_in(

@@ -5,9 +5,9 @@ exported and verified.
 
 It builds a scratch database `<name>_bench_audit`, COPYs one million invocations
 (two runtimes, twenty capabilities, a year of timestamps) each with its first event,
-hash-chained (one in ten naming a business reference, one in a thousand a person's),
-and reports: audit search p50/p95 for typical filters (first page of the
-keyset), export rows per second and the exporting process's peak RSS for 200,000
+hash-chained (one in ten naming a business reference; one in a thousand olga's, one in
+a hundred pat's), and reports: audit search p50/p95 for typical filters (first page of
+the keyset), export rows per second and the exporting process's peak RSS for 200,000
 events, and `verify_ledger` events per second. Last line: JSON. Not a test.
 """
 
@@ -41,8 +41,11 @@ STATUSES = ("succeeded", "succeeded", "succeeded", "failed", "retry_allowed", "e
 
 
 def event_actor(n: int) -> str:
-    """One event in a thousand is a person's, for the search by operator to find."""
-    return "user:olga" if n % 1000 == 7 else "runtime:bench"
+    """Two people's events, for the search by operator to find: olga acted on one
+    invocation in a thousand, pat on one in a hundred."""
+    if n % 1000 == 7:
+        return "user:olga"
+    return "user:pat" if n % 100 == 3 else "runtime:bench"
 
 
 def event_data(n: int) -> dict[str, Any]:
@@ -133,7 +136,8 @@ class Command(BaseCommand):
                 "INSERT INTO ledger_event (invocation_id, invocation_created_at, seq, kind, "
                 "actor, data, created_at, prev_hash, hash) SELECT i.id, i.created_at, 1, "
                 "'intent_recorded', "
-                "CASE WHEN n % 1000 = 7 THEN 'user:olga' ELSE 'runtime:bench' END, "
+                "CASE WHEN n % 1000 = 7 THEN 'user:olga' WHEN n % 100 = 3 THEN 'user:pat' "
+                "ELSE 'runtime:bench' END, "
                 "pg_temp.event_data(n), i.created_at, repeat('0', 64), i.head_hash "
                 "FROM ledger_invocation i, CAST(substr(i.invocation_id, 5) AS int) AS n"
             )
@@ -168,6 +172,7 @@ class Command(BaseCommand):
             "capability + month": {"capability": "cap.3", **month},
             "operator": {"operator": "olga"},
             "operator + month": {"operator": "olga", **month},
+            "operator, 10 times as busy": {"operator": "pat"},
             "business reference": {"business_reference": "RF-42"},
             "business reference + month": {"business_reference": "RF-10000", **month},
         }
