@@ -15,7 +15,7 @@ from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.core.validators import RegexValidator
 from django.db import connection, models, transaction
-from django.db.models import F, FilteredRelation, Q
+from django.db.models import Case, F, FilteredRelation, Q, When
 from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
@@ -208,6 +208,21 @@ class RuntimeToken(models.Model):
         return bool(revoked)
 
 
+# The reconciliation queue's order, riskiest first; an unknown risk level counts as the
+# lowest. RISK_FIRST says it in SQL, which the queue sorts by and invocation_queue_order
+# holds.
+RISK_RANK: dict[str, int] = {
+    Capability.Risk.HIGH.value: 0,
+    Capability.Risk.MEDIUM.value: 1,
+    Capability.Risk.LOW.value: 2,
+}
+MAX_RISK_RANK = max(RISK_RANK.values())
+RISK_FIRST = Case(
+    *[When(risk_level=level, then=rank) for level, rank in RISK_RANK.items()],
+    default=MAX_RISK_RANK,
+)
+
+
 class InvocationQuerySet(models.QuerySet["Invocation"]):
     def for_runtime(self, runtime: Runtime) -> InvocationQuerySet:
         return self.filter(runtime=runtime)
@@ -370,6 +385,19 @@ class Invocation(models.Model):
                 fields=["flagged_at"],
                 condition=Q(status__in=sorted(s.value for s in policy.NEEDS_RECONCILIATION)),
                 name="invocation_flagged_age",
+            ),
+            # The queue's pages in its own order, riskiest first, then oldest: a page
+            # reads a page of rows however long the queue grows (an outage can flag
+            # every invocation in flight at once). With their status and capability, so
+            # that the queue's live counts and the dashboard's are read from the index
+            # alone.
+            models.Index(
+                RISK_FIRST,
+                F("flagged_at"),
+                F("id"),
+                condition=Q(status__in=sorted(s.value for s in policy.NEEDS_RECONCILIATION)),
+                include=["status", "capability_scope"],
+                name="invocation_queue_order",
             ),
         ]
 

@@ -7,16 +7,9 @@ from typing import Any
 from django import forms
 
 from ledger import policy
-from ledger.models import Capability
+from ledger.models import MAX_RISK_RANK, Capability
 
 TEN_YEARS_IN_MINUTES = 10 * 366 * 24 * 60
-# The queue's order, riskiest first; an unknown risk level counts as the lowest.
-RISK_RANK: dict[str, int] = {
-    Capability.Risk.HIGH: 0,
-    Capability.Risk.MEDIUM: 1,
-    Capability.Risk.LOW: 2,
-}
-MAX_RISK_RANK = max(RISK_RANK.values())
 MAX_BIGINT = 2**63 - 1
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 

@@ -15,7 +15,7 @@ from django import forms
 from django.contrib import messages
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
-from django.db.models import Case, Count, Min, Q, When
+from django.db.models import Count, Min, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -26,7 +26,14 @@ from ledger import chain, policy
 from ledger.audit import invocations_naming
 from ledger.integrity import restore_projection
 from ledger.metrics import background_work
-from ledger.models import NAMES_A_SHARED_REFERENCE, Event, Invocation
+from ledger.models import (
+    MAX_RISK_RANK,
+    NAMES_A_SHARED_REFERENCE,
+    RISK_FIRST,
+    RISK_RANK,
+    Event,
+    Invocation,
+)
 from ledger.partitions import UNPARTITIONED_COUNTED
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
 from ledger.services import (
@@ -39,8 +46,6 @@ from ledger.services import (
 from ledger.templatetags.console import as_json
 from reconciliation import services
 from reconciliation.forms import (
-    MAX_RISK_RANK,
-    RISK_RANK,
     DecisionForm,
     QueueFilterForm,
     QueuePosition,
@@ -62,10 +67,6 @@ def actor(request: HttpRequest) -> str:
 
 
 QUEUE_PAGE = 100
-RISK_FIRST = Case(
-    *[When(risk_level=level, then=rank) for level, rank in RISK_RANK.items()],
-    default=MAX_RISK_RANK,
-)
 
 
 def queue_position(invocation: Invocation) -> QueuePosition:
@@ -115,7 +116,8 @@ def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
             # Keyset, not OFFSET: an invocation resolved while the operator reads a
             # page neither hides nor repeats one on the next.
             rank, at = after.risk_rank, after.flagged_at
-            rows = rows.filter(
+            # The first condition bounds the index's range, the rest is the keyset's.
+            rows = rows.filter(risk_rank__gte=rank).filter(
                 Q(risk_rank__gt=rank)
                 | Q(risk_rank=rank, flagged_at__gt=at)
                 | Q(risk_rank=rank, flagged_at=at, pk__gt=after.pk)

@@ -92,6 +92,7 @@ class Command(BaseCommand):
             "export": self.export(env),
             "verify": self.verify(),
             "background": self.background(invocations),
+            "console": self.console(),
         }
         self.report(results)
 
@@ -255,6 +256,43 @@ class Command(BaseCommand):
             ),
         }
 
+    def console(self) -> dict[str, Any]:
+        """The console's pages as an operator opens them, and a /metrics scrape, with
+        one invocation in six escalated: 166,667 in the queue at a million, the backlog
+        of an outage that flagged every invocation in flight."""
+        from django.contrib.auth.models import Group, User
+        from django.test import Client
+
+        from ledger.metrics import exposition
+
+        user = User.objects.create_user("bench-operator")
+        user.groups.add(Group.objects.get_or_create(name="operator")[0])
+        client = Client(HTTP_HOST=settings.ALLOWED_HOSTS[0])
+        client.force_login(user)
+        pages = {
+            "queue": "/",
+            "queue's live counts": "/queue/counts",
+            "dashboard": "/dashboard/",
+            "action log": "/audit/actions/",
+        }
+        reads: dict[str, Any] = {
+            label: (lambda path=path: client.get(path)) for label, path in pages.items()
+        }
+        reads["/metrics scrape"] = exposition
+        timings: dict[str, Any] = {}
+        for label, read in reads.items():
+            samples = []
+            for _ in range(10):
+                started = time.perf_counter()
+                answer = read()
+                samples.append(time.perf_counter() - started)
+                assert getattr(answer, "status_code", 200) == 200, (label, answer)
+            timings[label] = {
+                "p50_ms": round(statistics.median(samples) * 1000, 1),
+                "max_ms": round(max(samples) * 1000, 1),
+            }
+        return timings
+
     def report(self, results: dict[str, Any]) -> None:
         out = self.stdout.write
         out(f"{results['invocations']} invocations COPYed in {results['generate_seconds']} s")
@@ -278,4 +316,7 @@ class Command(BaseCommand):
             f"{slices['breaks']} breaks; a whole pass {slices['pass_hours_at_defaults']} h "
             "at the defaults"
         )
+        out(f"{'console (one invocation in 6 queued)':<36}{'p50 ms':>8}{'max ms':>10}")
+        for label, t in results["console"].items():
+            out(f"{label:<36}{t['p50_ms']:>8}{t['max_ms']:>10}")
         out(json.dumps(results, sort_keys=True))
