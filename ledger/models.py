@@ -598,6 +598,12 @@ class Event(models.Model):
                 condition=Q(actor__gt="user:"),
                 name="event_by_person",
             ),
+            # The action log, people's actions newest first, a page at a time. Without it
+            # PostgreSQL walked each month's events back from the newest, runtime events
+            # and all, until it had a page of people's: a month with none, it read whole.
+            models.Index(
+                fields=["id"], condition=Q(actor__startswith="user:"), name="event_person_newest"
+            ),
             # Recent probe runs (the dashboard, /metrics) without reading every recent event.
             models.Index(
                 fields=["created_at"], condition=Q(kind="probe_run"), name="event_probe_run_time"
