@@ -589,18 +589,20 @@ class Event(models.Model):
             # What people did (the audit search by operator): a small partial index, so
             # runtime events, nearly all of them, skip it. A person's events are in it
             # in their invocations' order, (created_at, id), which the search pages by.
-            # Its condition holds for every "user:…" and for no "runtime:…", "ledger:…"
-            # or "cli:…" actor in any collation, and `actor = 'user:olga'` implies it: a
-            # search needs no second condition, which PostgreSQL would take for an
-            # independent one and so expect a thousandth of the person's events.
+            # Its condition holds for every "user:…" actor and for no "runtime:…" or
+            # "ledger:…" one (in C and in the ICU collations en, und, da and tr alike),
+            # and `actor = 'user:olga'` implies it: a search needs no second condition,
+            # which PostgreSQL would take for an independent one and so expect a
+            # thousandth of the person's events.
             models.Index(
                 fields=["actor", "invocation_created_at", "invocation"],
                 condition=Q(actor__gt="user:"),
                 name="event_by_person",
             ),
-            # The action log, people's actions newest first, a page at a time. Without it
-            # PostgreSQL walked each month's events back from the newest, runtime events
-            # and all, until it had a page of people's: a month with none, it read whole.
+            # The action log, people's actions newest first, a page at a time, under the
+            # log's own condition. Without it PostgreSQL walked each month's events back
+            # from the newest, runtime events and all, until it had a page of people's:
+            # a month with none, it read whole.
             models.Index(
                 fields=["id"], condition=Q(actor__startswith="user:"), name="event_person_newest"
             ),

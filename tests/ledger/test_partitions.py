@@ -292,16 +292,15 @@ def test_the_action_log_reads_no_event_of_a_month_in_which_nobody_acted(
     api.intent(invocation_id="inv-now", idempotency_key="k-now", attempt_id="a1")
     invocation_assign(invocation_id="inv-now", actor="user:olga", take=True)
     reviewer = person("cora", "compliance")
-    with connection.cursor() as cursor:
-        cursor.execute("SET LOCAL enable_seqscan = off")
-
     page = ""
 
     def read_the_log() -> None:
         nonlocal page
         page = reviewer.get("/audit/actions/").content.decode()
 
-    assert events_fetched("ledger_event_2025_10", read_the_log) == 0
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")
+        assert events_fetched("ledger_event_2025_10", read_the_log) == 0
     assert "user:olga" in page and "inv-now" in page
 
 
