@@ -13,7 +13,13 @@ from django import forms
 from django.db.models import Q, QuerySet
 
 from ledger import policy
-from ledger.models import HAS_BUSINESS_REFERENCE, Event, Invocation, Runtime
+from ledger.models import (
+    HAS_BUSINESS_REFERENCE,
+    Event,
+    Invocation,
+    Runtime,
+    events_recorded_between,
+)
 
 EXPORT_COLUMNS = [
     "invocation_id", "task_id", "runtime", "capability", "subject", "status", "cause",
@@ -110,25 +116,22 @@ def search(data: dict[str, Any]) -> QuerySet[Invocation]:
     if data.get("flag"):
         rows = rows.filter(flags__contains=[data["flag"]])
     newest_first = data.get("order", "newest") != "oldest"
-    # The events searched below are those of invocations recorded in the time range and
-    # past the cursor: said of their partition key too, so the other months are not read.
-    months: list[tuple[str, Any]] = []
-    if data.get("since"):
-        months.append(("gte", data["since"]))
-    if data.get("until"):
-        months.append(("lt", data["until"]))
     if data.get("after"):
         at, pk = data["after"]
         # (created_at, id) past the cursor, written so the range bounds an index scan.
         if newest_first:
             rows = rows.filter(created_at__lte=at).exclude(created_at=at, pk__gte=pk)
-            months.append(("lte", at))
         else:
             rows = rows.filter(created_at__gte=at).exclude(created_at=at, pk__lte=pk)
-            months.append(("gte", at))
 
-    def in_months(prefix: str = "") -> Q:
-        return Q(*[(f"{prefix}invocation_created_at__{lookup}", b) for lookup, b in months])
+    def in_months(via: str = "") -> Q:
+        """The events searched below: those of invocations recorded in the time range and
+        past the cursor, said of their partition key so that other months are not read."""
+        months = events_recorded_between(data.get("since"), data.get("until"), via=via)
+        if data.get("after"):
+            past = "lte" if newest_first else "gte"
+            months &= Q((f"{via}invocation_created_at__{past}", data["after"][0]))
+        return months
 
     if data.get("business_reference"):
         naming = naming_reference(data["business_reference"], Event.objects.filter(in_months()))

@@ -529,6 +529,20 @@ class NamedReference(models.Model):
         return self.reference
 
 
+def events_recorded_between(
+    since: dt.datetime | None, until: dt.datetime | None, *, via: str = ""
+) -> Q:
+    """The events of invocations recorded in [since, until), said of their partition
+    key (reached through the relation `via`, such as "events__") so that the months
+    outside it are not read."""
+    months = Q()
+    if since is not None:
+        months &= Q((f"{via}invocation_created_at__gte", since))
+    if until is not None:
+        months &= Q((f"{via}invocation_created_at__lt", until))
+    return months
+
+
 class EventQuerySet(models.QuerySet["Event"]):
     def of(self, invocation: Invocation) -> EventQuerySet:
         """The invocation's events, read in its own month's partition only: PostgreSQL
@@ -540,12 +554,7 @@ class EventQuerySet(models.QuerySet["Event"]):
     ) -> EventQuerySet:
         """The events of invocations recorded in [since, until): the months outside it
         are not read."""
-        rows = self
-        if since is not None:
-            rows = rows.filter(invocation_created_at__gte=since)
-        if until is not None:
-            rows = rows.filter(invocation_created_at__lt=until)
-        return rows
+        return self.filter(events_recorded_between(since, until))
 
 
 class Event(models.Model):

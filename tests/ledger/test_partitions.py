@@ -244,39 +244,32 @@ def test_a_sealed_events_event_is_read_in_its_own_partition_only(
     assert sum(int(n) for n in loops) == seal.event_count, plan  # the rest never executed
 
 
+def partition_counts(counter: str) -> dict[str, int]:
+    """`counter`, an expression of pg_stat_xact_user_tables' columns, for each of the
+    event table's partitions: this transaction's own statistics."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT relname, {counter} FROM pg_stat_xact_user_tables "
+            "WHERE relname LIKE 'ledger\\_event\\_%%'"
+        )
+        return dict(cursor.fetchall())
+
+
 def partitions_read(action: Callable[[], object]) -> set[str]:
-    """The event table's partitions that `action` scans, by this transaction's own
-    statistics (pg_stat_xact_user_tables): those PostgreSQL pruned are not scanned."""
-
-    def scans() -> dict[str, int]:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT relname, seq_scan + coalesce(idx_scan, 0) FROM pg_stat_xact_user_tables "
-                "WHERE relname LIKE 'ledger\\_event\\_%%'"
-            )
-            return dict(cursor.fetchall())
-
-    before = scans()
+    """The event table's partitions that `action` scans: those PostgreSQL pruned are
+    not scanned."""
+    scans = "seq_scan + coalesce(idx_scan, 0)"
+    before = partition_counts(scans)
     action()
-    return {name for name, count in scans().items() if count > before.get(name, 0)}
+    return {name for name, count in partition_counts(scans).items() if count > before.get(name, 0)}
 
 
 def events_fetched(table: str, action: Callable[[], object]) -> int:
-    """The rows of `table` that `action` read, by this transaction's own statistics."""
-
-    def fetched() -> int:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) "
-                "FROM pg_stat_xact_user_tables WHERE relname = %s",
-                [table],
-            )
-            row = cursor.fetchone()
-        return row[0] if row else 0
-
-    before = fetched()
+    """The rows of the partition `table` that `action` read."""
+    rows = "coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)"
+    before = partition_counts(rows).get(table, 0)
     action()
-    return fetched() - before
+    return partition_counts(rows).get(table, 0) - before
 
 
 def test_the_action_log_reads_no_event_of_a_month_in_which_nobody_acted(
