@@ -223,6 +223,16 @@ RISK_FIRST = Case(
 )
 
 
+class Row(models.Func):
+    """PostgreSQL's row constructor. `Row(a, b, c) > Row(x, y, z)` compares in order, as
+    a keyset page needs, and a btree index on (a, b, c) starts its scan at that row. The
+    same test spelled as an OR of conditions bounds the scan by its first column only,
+    so each page would read again every row of the pages before it of that rank."""
+
+    function = "ROW"
+    output_field = models.Field()
+
+
 class InvocationQuerySet(models.QuerySet["Invocation"]):
     def for_runtime(self, runtime: Runtime) -> InvocationQuerySet:
         return self.filter(runtime=runtime)

@@ -15,7 +15,7 @@ from django import forms
 from django.contrib import messages
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Min, Q, Value
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -33,6 +33,7 @@ from ledger.models import (
     RISK_RANK,
     Event,
     Invocation,
+    Row,
 )
 from ledger.partitions import UNPARTITIONED_COUNTED
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
@@ -115,12 +116,10 @@ def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
         if after := data["after"]:
             # Keyset, not OFFSET: an invocation resolved while the operator reads a
             # page neither hides nor repeats one on the next.
-            rank, at = after.risk_rank, after.flagged_at
-            # The first condition bounds the index's range, the rest is the keyset's.
-            rows = rows.filter(risk_rank__gte=rank).filter(
-                Q(risk_rank__gt=rank)
-                | Q(risk_rank=rank, flagged_at__gt=at)
-                | Q(risk_rank=rank, flagged_at=at, pk__gt=after.pk)
+            # A row comparison, which invocation_queue_order bounds exactly: a page
+            # reads a page however deep in the queue it is.
+            rows = rows.alias(position=Row("risk_rank", "flagged_at", "id")).filter(
+                position__gt=Row(Value(after.risk_rank), Value(after.flagged_at), Value(after.pk))
             )
     # Sorted in SQL before the limit: a high-risk invocation must never be cut off
     # behind hundreds of older low-risk ones.

@@ -189,6 +189,17 @@ def lookup(db: None) -> Capability:
     return registered("order.read", readonly=True, risk_level="low")
 
 
+def table_counts(counter: str, tables: str) -> dict[str, int]:
+    """`counter`, an expression of pg_stat_xact_user_tables' columns, for each table
+    whose name is LIKE `tables`: this transaction's own statistics."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT relname, {counter} FROM pg_stat_xact_user_tables WHERE relname LIKE %s",
+            [tables],
+        )
+        return dict(cursor.fetchall())
+
+
 def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:
     """Poll until a condition holds: for what another process does in its own time."""
     deadline = time.monotonic() + seconds

@@ -28,7 +28,7 @@ from ledger.models import Capability, Event, Invocation, SealedEvent
 from ledger.partitions import create_event_partitions, month_partition, partition_state
 from reconciliation.services import invocation_assign
 from reconciliation.sweeper import sweep
-from tests.conftest import Api, person
+from tests.conftest import Api, person, table_counts
 from tests.ledger.conftest import at_migration, ledger_clock_at, superuser_sql
 from tests.ledger.test_audit import search_ids
 from tests.ledger.test_metrics import samples
@@ -245,14 +245,8 @@ def test_a_sealed_events_event_is_read_in_its_own_partition_only(
 
 
 def partition_counts(counter: str) -> dict[str, int]:
-    """`counter`, an expression of pg_stat_xact_user_tables' columns, for each of the
-    event table's partitions: this transaction's own statistics."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT relname, {counter} FROM pg_stat_xact_user_tables "
-            "WHERE relname LIKE 'ledger\\_event\\_%%'"
-        )
-        return dict(cursor.fetchall())
+    """`counter` for each of the event table's partitions."""
+    return table_counts(counter, "ledger\\_event\\_%")
 
 
 def partitions_read(action: Callable[[], object]) -> set[str]:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from django.contrib.auth.models import User
 from django.db import connection, transaction
+from django.http import QueryDict
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -25,9 +26,10 @@ from ledger.models import Capability, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
+from reconciliation.forms import QueueFilterForm
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
-from tests.conftest import Api, person, process_env, registered
+from tests.conftest import Api, person, process_env, registered, table_counts
 from tests.reconciliation.conftest import BrokerQueue, perform_refund
 
 
@@ -324,6 +326,50 @@ def test_a_queue_page_is_read_in_the_queues_order_from_its_index(
         cursor.execute(f"EXPLAIN {page}")
         plan = "\n".join(line for (line,) in cursor.fetchall())
     assert "using invocation_queue_order" in plan and "Sort" not in plan, plan
+
+
+def test_a_deep_queue_page_reads_a_page(
+    api: Api, operator: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next page starts where the last ended in invocation_queue_order itself, ties
+    and all, so the fourth page reads the fourth page's rows, not the three before it
+    again."""
+    from reconciliation import views
+
+    monkeypatch.setattr(views, "QUEUE_PAGE", 3)
+    Capability.objects.create(scope="note.add", risk_level="low")
+    api.post("/api/v1/evidence", [
+        {"type": "intent", "invocation_id": f"note-{n:02}", "task_id": "t",
+         "capability": "note.add", "subject": "s", "arguments": {},
+         "idempotency_key": f"k-{n}", "attempt_id": "a1"}
+        for n in range(14)
+    ])  # fmt: skip
+    deadline = Invocation.objects.get(invocation_id="note-00").deadline_at
+    assert deadline is not None
+    for n in range(14):  # in two ties of flagged_at, the second flagged first
+        flagged_at = deadline + dt.timedelta(minutes=0 if n >= 7 else 1)
+        assert flag_missing_evidence(invocation_id=f"note-{n:02}", now=flagged_at)
+    queue_order = [f"note-{n:02}" for n in (*range(7, 14), *range(7))]
+
+    listed, following = queue_page(operator)
+    next_queries = [following]
+    while following is not None:
+        page, following = queue_page(operator, following)
+        listed += page
+        next_queries.append(following)
+    assert listed == queue_order
+
+    fourth = QueryDict(next_queries[2])
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            for way in ("seqscan", "bitmapscan", "sort"):
+                cursor.execute(f"SET LOCAL enable_{way} = off")
+        read = "coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)"
+        before = table_counts(read, "ledger\\_invocation")["ledger_invocation"]
+        rows = views.queue_rows(QueueFilterForm(fourth), User.objects.get(username="olga"))
+        fetched = table_counts(read, "ledger\\_invocation")["ledger_invocation"] - before
+    assert [row.invocation_id for row in rows] == queue_order[9:13]
+    assert fetched == len(rows), fetched
 
 
 @pytest.mark.parametrize(

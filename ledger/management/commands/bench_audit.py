@@ -264,13 +264,22 @@ class Command(BaseCommand):
         from django.test import Client
 
         from ledger.metrics import exposition
+        from ledger.models import RISK_FIRST, Invocation
+        from reconciliation.views import queue_position
 
         user = User.objects.create_user("bench-operator")
         user.groups.add(Group.objects.get_or_create(name="operator")[0])
         client = Client(HTTP_HOST=settings.ALLOWED_HOSTS[0])
         client.force_login(user)
+        # Where the 1,000th page of 100 starts: read once by OFFSET, as no page is.
+        deep = (
+            Invocation.objects.flagged()
+            .annotate(risk_rank=RISK_FIRST)
+            .order_by("risk_rank", "flagged_at", "id")[99_999]
+        )
         pages = {
             "queue": "/",
+            "queue, page 1,001": f"/?after={queue_position(deep)}",
             "queue's live counts": "/queue/counts",
             "dashboard": "/dashboard/",
             "action log": "/audit/actions/",
