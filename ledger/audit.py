@@ -17,7 +17,6 @@ from ledger.models import (
     HAS_BUSINESS_REFERENCE,
     Event,
     Invocation,
-    Runtime,
     events_recorded_between,
 )
 
@@ -104,11 +103,7 @@ def search(data: dict[str, Any]) -> QuerySet[Invocation]:
         if data.get(name):
             rows = rows.filter(**{lookup: data[name]})
     if data.get("runtime"):
-        # Its id, looked up first: the planner then estimates the runtime's share of
-        # invocations from the column's statistics rather than guessing it across a join.
-        named = Runtime.objects.filter(name=data["runtime"]).values_list("pk", flat=True)
-        runtime_id = named.first()
-        rows = rows.none() if runtime_id is None else rows.filter(runtime_id=runtime_id)
+        rows = rows.of_runtime_named(data["runtime"])
     if data.get("since"):
         rows = rows.filter(created_at__gte=data["since"])
     if data.get("until"):

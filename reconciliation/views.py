@@ -27,6 +27,7 @@ from ledger.audit import invocations_naming
 from ledger.integrity import restore_projection
 from ledger.metrics import background_work
 from ledger.models import (
+    FLAGGED_STATUSES,
     MAX_RISK_RANK,
     NAMES_A_SHARED_REFERENCE,
     RISK_FIRST,
@@ -54,8 +55,6 @@ from reconciliation.forms import (
     RestoreForm,
 )
 from reconciliation.tasks import reconcile_invocation
-
-FLAGGED = sorted(s.value for s in policy.NEEDS_RECONCILIATION)
 
 log = logging.getLogger(__name__)
 
@@ -88,39 +87,40 @@ def queue_rows(form: QueueFilterForm, user: Any) -> list[Invocation]:
     """
     if form.is_bound and not form.is_valid():
         return []
+    flagged = Invocation.objects.flagged()
+    data = form.cleaned_data if form.is_bound else {}
+    if data.get("runtime"):
+        flagged = flagged.of_runtime_named(data["runtime"])
     # Each row with its last event and its intent's, to mark the rows changed outside
     # the ledger (`rows_disagreeing`); PostgreSQL reads them for the page's rows only.
     rows = (
-        with_heads(Invocation.objects.flagged())
+        with_heads(flagged)
         .select_related("runtime")
         .annotate(risk_rank=RISK_FIRST)
         .order_by("risk_rank", "flagged_at", "id")
     )
-    if form.is_bound:
-        data = form.cleaned_data
-        if data["capability"]:
-            rows = rows.filter(capability_scope=data["capability"])
-        if data["runtime"]:
-            rows = rows.filter(runtime__name=data["runtime"])
-        if data["risk"]:
-            rows = rows.filter(risk_level=data["risk"])
-        if data["cause"]:
-            rows = rows.filter(cause=data["cause"])
-        if data["older_than_minutes"]:
-            cutoff = timezone.now() - dt.timedelta(minutes=data["older_than_minutes"])
-            rows = rows.filter(flagged_at__lte=cutoff)
-        if data["mine"] == "mine":
-            rows = rows.filter(assignee=user.get_username())
-        elif data["mine"] == "unclaimed":
-            rows = rows.filter(assignee="")
-        if after := data["after"]:
-            # Keyset, not OFFSET: an invocation resolved while the operator reads a
-            # page neither hides nor repeats one on the next.
-            # A row comparison, which invocation_queue_order bounds exactly: a page
-            # reads a page however deep in the queue it is.
-            rows = rows.alias(position=Row("risk_rank", "flagged_at", "id")).filter(
-                position__gt=Row(Value(after.risk_rank), Value(after.flagged_at), Value(after.pk))
-            )
+    if data.get("capability"):
+        rows = rows.filter(capability_scope=data["capability"])
+    if data.get("risk"):
+        # Said of the rank too, which invocation_queue_order starts with.
+        rank = RISK_RANK.get(data["risk"], MAX_RISK_RANK)
+        rows = rows.filter(risk_level=data["risk"], risk_rank=rank)
+    if data.get("cause"):
+        rows = rows.filter(cause=data["cause"])
+    if data.get("older_than_minutes"):
+        cutoff = timezone.now() - dt.timedelta(minutes=data["older_than_minutes"])
+        rows = rows.filter(flagged_at__lte=cutoff)
+    if data.get("mine") == "mine":
+        rows = rows.filter(assignee=user.get_username())
+    elif data.get("mine") == "unclaimed":
+        rows = rows.filter(assignee="")
+    if after := data.get("after"):
+        # Keyset, not OFFSET: an invocation resolved while the operator reads a page
+        # neither hides nor repeats one on the next. A row comparison, which the queue's
+        # indexes bound exactly: a page reads a page however deep in the queue it is.
+        rows = rows.alias(position=Row("risk_rank", "flagged_at", "id")).filter(
+            position__gt=Row(Value(after.risk_rank), Value(after.flagged_at), Value(after.pk))
+        )
     # Sorted in SQL before the limit: a high-risk invocation must never be cut off
     # behind hundreds of older low-risk ones.
     return list(rows[: QUEUE_PAGE + 1])
@@ -130,7 +130,7 @@ def status_counts() -> dict[str, int]:
     counted = dict(
         Invocation.objects.flagged().values_list("status").annotate(n=Count("id")).order_by()
     )
-    return {status: counted.get(status, 0) for status in FLAGGED}
+    return {status: counted.get(status, 0) for status in FLAGGED_STATUSES}
 
 
 @require_GET
@@ -242,7 +242,7 @@ def business_references(invocation: Invocation, events: list[Event]) -> list[dic
 
 def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str, Any]:
     user_roles = roles(request.user)
-    flagged = invocation.status in FLAGGED
+    flagged = invocation.status in FLAGGED_STATUSES
     seen = {"seen_event_count": invocation.event_count}
     proposal = invocation.proposal or {}
     events = timeline(invocation)

@@ -27,6 +27,7 @@ from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
 from reconciliation.forms import QueueFilterForm
+from reconciliation.services import invocation_assign
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, person, process_env, registered, table_counts
@@ -352,24 +353,67 @@ def test_a_deep_queue_page_reads_a_page(
     queue_order = [f"note-{n:02}" for n in (*range(7, 14), *range(7))]
 
     listed, following = queue_page(operator)
-    next_queries = [following]
+    next_queries = []
     while following is not None:
+        next_queries.append(following)
         page, following = queue_page(operator, following)
         listed += page
-        next_queries.append(following)
     assert listed == queue_order
 
-    fourth = QueryDict(next_queries[2])
+    fourth, fetched = rows_read_for(next_queries[2], "olga")
+    assert fourth == queue_order[9:13]
+    assert fetched == len(fourth), fetched
+
+
+def rows_read_for(query: str, user: str) -> tuple[list[str], int]:
+    """The invocations the queue's first page lists for `query`, and the invocation
+    rows PostgreSQL read for it (told to take any other way it has before reading the
+    small table whole or sorting it)."""
+    from reconciliation import views
+
     with transaction.atomic():
         with connection.cursor() as cursor:
             for way in ("seqscan", "bitmapscan", "sort"):
                 cursor.execute(f"SET LOCAL enable_{way} = off")
         read = "coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)"
         before = table_counts(read, "ledger\\_invocation")["ledger_invocation"]
-        rows = views.queue_rows(QueueFilterForm(fourth), User.objects.get(username="olga"))
+        form = QueueFilterForm(QueryDict(query))
+        rows = views.queue_rows(form, User.objects.get(username=user))
         fetched = table_counts(read, "ledger\\_invocation")["ledger_invocation"] - before
-    assert [row.invocation_id for row in rows] == queue_order[9:13]
-    assert fetched == len(rows), fetched
+    return [row.invocation_id for row in rows], fetched
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["cause=evidence_reported_lost", "capability=refund.create", "runtime=runtime-b",
+     "mine=mine", "risk=low"],
+)  # fmt: skip
+def test_a_filtered_queue_page_reads_the_rows_it_lists(
+    query: str, api: Api, api_b: Api, operator: Client
+) -> None:
+    """Two invocations that each filter selects, queued behind twelve it does not: the
+    page reads the two, not the queue up to them."""
+    Capability.objects.create(scope="note.add", risk_level="high")
+    registered("refund.create", risk_level="low")
+    api.post("/api/v1/evidence", [
+        {"type": "intent", "invocation_id": f"note-{n:02}", "task_id": "t",
+         "capability": "note.add", "subject": "s", "arguments": {},
+         "idempotency_key": f"k-{n}", "attempt_id": "a1"}
+        for n in range(12)
+    ])  # fmt: skip
+    for n in range(12):
+        assert flag_missing_evidence(
+            invocation_id=f"note-{n:02}", now=timezone.now() + dt.timedelta(days=1)
+        )
+    selected = ["refund-0", "refund-1"]
+    for invocation_id in selected:
+        api_b.intent(invocation_id=invocation_id, idempotency_key=invocation_id, attempt_id="a1")
+        api_b.outcome(invocation_id, "a1", kind="post_dispatch_evidence_failed")
+        invocation_assign(invocation_id=invocation_id, actor="user:olga", take=True)
+
+    listed, fetched = rows_read_for(query, "olga")
+    assert listed == selected
+    assert fetched == len(selected), fetched
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ COLUMNS = (
     "idempotency_key", "arguments_digest", "traceparent", "created_at", "hint_readonly",
     "hint_idempotency_verified", "max_attempts", "timeout_ms", "grace_ms", "risk_level",
     "status", "failure_class", "cause", "resolution", "flags", "attempt_count",
-    "in_flight_attempt", "event_count", "head_hash", "updated_at", "flagged_at",
+    "in_flight_attempt", "event_count", "head_hash", "updated_at", "flagged_at", "assignee",
 )  # fmt: skip
 STATUSES = ("succeeded", "succeeded", "succeeded", "failed", "retry_allowed", "escalated")
 
@@ -117,11 +117,16 @@ class Command(BaseCommand):
                     flags = "{undeclared}" if n % 50 == 0 else "{}"
                     status = STATUSES[n % len(STATUSES)]
                     flagged_at = created if status == "escalated" else None
+                    # Of the queue, one in 100 is a conflict of evidence, one in 1,000
+                    # is claimed by the benchmark's operator.
+                    cause = "evidence_conflict" if n % 600 == 5 else "no_probe"
+                    assignee = "bench-operator" if n % 6000 == 5 else ""
                     copy.write_row((
                         f"inv-{n}", runtimes[n % 2], f"task-{n % 50_000}", f"cap.{n % 20}",
                         f"customer:{n % 10_000}", f"key-{n}", "sha256:" + "0" * 64, "",
                         created, False, False, 5, 30000, 60000, "medium",
-                        status, "", "", "", flags, 1, "", 1, head, created, flagged_at,
+                        status, "", cause if flagged_at else "", "", flags, 1, "", 1, head,
+                        created, flagged_at, assignee if flagged_at else "",
                     ))  # fmt: skip
             # As event_actor and event_data, which event_hash's body holds: every tenth
             # event names a business reference, and every reference is named by two.
@@ -280,6 +285,8 @@ class Command(BaseCommand):
         pages = {
             "queue": "/",
             "queue, page 1,001": f"/?after={queue_position(deep)}",
+            "queue, 1 cause in 100": "/?cause=evidence_conflict",
+            "queue, claimed by me": "/?mine=mine",
             "queue's live counts": "/queue/counts",
             "dashboard": "/dashboard/",
             "action log": "/audit/actions/",
