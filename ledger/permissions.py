@@ -37,7 +37,13 @@ def role_required(*allowed: str) -> Callable[..., Any]:
     return decorator
 
 
+def wants_fragment(request: HttpRequest) -> bool:
+    """Whether htmx asked for a part of the page to swap in (a boosted link asks for
+    the whole page)."""
+    htmx = getattr(request, "htmx", None)
+    return bool(htmx and not htmx.boosted)
+
+
 def fragment(request: HttpRequest, template: str, name: str) -> str:
     """The partial for an htmx request, the whole page otherwise."""
-    htmx = getattr(request, "htmx", None)
-    return f"{template}#{name}" if htmx and not htmx.boosted else template
+    return f"{template}#{name}" if wants_fragment(request) else template

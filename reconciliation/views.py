@@ -37,7 +37,7 @@ from ledger.models import (
     Row,
 )
 from ledger.partitions import UNPARTITIONED_COUNTED
-from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
+from ledger.permissions import ACTORS, READERS, fragment, role_required, roles, wants_fragment
 from ledger.services import (
     LedgerError,
     disagreement,
@@ -152,7 +152,9 @@ def queue(request: HttpRequest) -> HttpResponse:
         "changed_outside": rows_disagreeing(rows[:QUEUE_PAGE]),
         "next_query": next_query,
         "first_query": first_query.urlencode() if "after" in request.GET else None,
-        "counts": status_counts(),
+        # Counted for the whole page only: the rows alone, which a filter or a next page
+        # swaps in, do not show them (they refresh on their own).
+        "counts": {} if wants_fragment(request) else status_counts(),
     }
     return render(request, fragment(request, "reconciliation/queue.html", "queue-rows"), context)
 

@@ -7,7 +7,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -96,6 +96,25 @@ def test_the_queue_lists_flagged_invocations_full_page_or_fragment(
     assert "inv-1" in body
     filtered = operator.get("/", {"risk": "low"}, headers={"HX-Request": "true"}).content.decode()
     assert "inv-1" not in filtered and "Nothing needs reconciliation" in filtered
+
+
+def counted(request: Callable[[], object]) -> bool:
+    """Whether `request` counted the queue by status."""
+    with CaptureQueriesContext(connection) as queries:
+        request()
+    return any("COUNT(" in query["sql"] for query in queries.captured_queries)
+
+
+def test_the_rows_a_filter_swaps_in_are_read_without_the_counts(
+    flagged: str, operator: Client
+) -> None:
+    """The counts show on the whole page and refresh on their own; the rows alone, for
+    a filter or the next page, do not show them, so they are not counted for them."""
+    assert counted(lambda: operator.get("/", {"risk": "medium"}))
+    assert not counted(
+        lambda: operator.get("/", {"risk": "medium"}, headers={"HX-Request": "true"})
+    )
+    assert counted(lambda: operator.get("/queue/counts"))
 
 
 def test_compliance_sees_no_action_and_cannot_post(flagged: str, compliance: Client) -> None:

@@ -294,6 +294,12 @@ class Command(BaseCommand):
         reads: dict[str, Any] = {
             label: (lambda path=path: client.get(path)) for label, path in pages.items()
         }
+        # As htmx asks for them when a filter is applied or the next page is opened: the
+        # rows alone, without the counts that the whole page shows.
+        htmx = {"HX-Request": "true"}
+        for label in ("queue, page 1,001", "queue, 1 cause in 100", "queue, claimed by me"):
+            path = pages[label]
+            reads[f"{label}, htmx"] = lambda path=path: client.get(path, headers=htmx)
         reads["/metrics scrape"] = exposition
         timings: dict[str, Any] = {}
         for label, read in reads.items():
