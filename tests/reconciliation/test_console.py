@@ -348,6 +348,16 @@ def test_a_queue_page_is_read_in_the_queues_order_from_its_index(
     assert "using invocation_queue_order" in plan and "Sort" not in plan, plan
 
 
+def notes_in_flight(api: Api, count: int) -> None:
+    """note-00, note-01, …: intents of note.add, each with its first attempt admitted."""
+    api.post("/api/v1/evidence", [
+        {"type": "intent", "invocation_id": f"note-{n:02}", "task_id": "t",
+         "capability": "note.add", "subject": "s", "arguments": {},
+         "idempotency_key": f"k-{n}", "attempt_id": "a1"}
+        for n in range(count)
+    ])  # fmt: skip
+
+
 def test_a_deep_queue_page_reads_a_page(
     api: Api, operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -358,12 +368,7 @@ def test_a_deep_queue_page_reads_a_page(
 
     monkeypatch.setattr(views, "QUEUE_PAGE", 3)
     Capability.objects.create(scope="note.add", risk_level="low")
-    api.post("/api/v1/evidence", [
-        {"type": "intent", "invocation_id": f"note-{n:02}", "task_id": "t",
-         "capability": "note.add", "subject": "s", "arguments": {},
-         "idempotency_key": f"k-{n}", "attempt_id": "a1"}
-        for n in range(14)
-    ])  # fmt: skip
+    notes_in_flight(api, 14)
     deadline = Invocation.objects.get(invocation_id="note-00").deadline_at
     assert deadline is not None
     for n in range(14):  # in two ties of flagged_at, the second flagged first
@@ -414,12 +419,7 @@ def test_a_filtered_queue_page_reads_the_rows_it_lists(
     page reads the two, not the queue up to them."""
     Capability.objects.create(scope="note.add", risk_level="high")
     registered("refund.create", risk_level="low")
-    api.post("/api/v1/evidence", [
-        {"type": "intent", "invocation_id": f"note-{n:02}", "task_id": "t",
-         "capability": "note.add", "subject": "s", "arguments": {},
-         "idempotency_key": f"k-{n}", "attempt_id": "a1"}
-        for n in range(12)
-    ])  # fmt: skip
+    notes_in_flight(api, 12)
     for n in range(12):
         assert flag_missing_evidence(
             invocation_id=f"note-{n:02}", now=timezone.now() + dt.timedelta(days=1)
