@@ -20,10 +20,25 @@ from ledger.models import (
     events_recorded_between,
 )
 
-EXPORT_COLUMNS = [
-    "invocation_id", "task_id", "runtime", "capability", "subject", "status", "cause",
-    "flags", "seq", "kind", "actor", "created_at", "prev_hash", "hash", "data",
-]  # fmt: skip
+# Each exported column, in order, and where an event has it.
+EXPORTED = {
+    "invocation_id": "invocation__invocation_id",
+    "task_id": "invocation__task_id",
+    "runtime": "invocation__runtime__name",
+    "capability": "invocation__capability_scope",
+    "subject": "invocation__subject",
+    "status": "invocation__status",
+    "cause": "invocation__cause",
+    "flags": "invocation__flags",
+    "seq": "seq",
+    "kind": "kind",
+    "actor": "actor",
+    "created_at": "created_at",
+    "prev_hash": "prev_hash",
+    "hash": "hash",
+    "data": "data",
+}
+EXPORT_COLUMNS = list(EXPORTED)
 
 
 class AuditFilterForm(forms.Form):
@@ -168,30 +183,17 @@ def export_rows(filters: dict[str, Any]) -> Iterator[dict[str, Any]]:
     invocations = search({**filters, "after": None})
     # Their events are in the months of the time range: the others are not read.
     months = Event.objects.recorded_between(filters.get("since"), filters.get("until"))
+    # The columns alone, without a model instance per event and its invocation's and
+    # runtime's: building those took a third of an export's time.
     events = (
         months.filter(invocation__in=invocations.order_by().values("pk"))
-        .select_related("invocation__runtime")
         .order_by("invocation_id", "seq")
+        .values_list(*EXPORTED.values())
     )
-    for event in events.iterator(chunk_size=2000):
-        invocation = event.invocation
-        yield {
-            "invocation_id": invocation.invocation_id,
-            "task_id": invocation.task_id,
-            "runtime": invocation.runtime.name,
-            "capability": invocation.capability_scope,
-            "subject": invocation.subject,
-            "status": invocation.status,
-            "cause": invocation.cause,
-            "flags": list(invocation.flags),
-            "seq": event.seq,
-            "kind": event.kind,
-            "actor": event.actor,
-            "created_at": event.created_at.isoformat(),
-            "prev_hash": event.prev_hash,
-            "hash": event.hash,
-            "data": event.data,
-        }
+    for values in events.iterator(chunk_size=2000):
+        row = dict(zip(EXPORTED, values, strict=True))
+        row["created_at"] = row["created_at"].isoformat()
+        yield row
 
 
 class _Echo:
