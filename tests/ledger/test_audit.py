@@ -22,7 +22,7 @@ from ledger.models import Capability, Event, Invocation
 from ledger.services import flag_missing_evidence
 from ledger.views import PAGE
 from reconciliation.services import invocation_assign, invocation_resolve, probe_requested
-from tests.conftest import Api
+from tests.conftest import Api, table_counts
 from tests.ledger.conftest import ledger_clock_at, superuser_sql
 
 
@@ -147,6 +147,24 @@ def test_an_operator_is_found_through_the_index_of_what_people_did(history: None
         "inv-0",
         "inv-10",
     ]
+
+
+@pytest.mark.parametrize("flag", [flag.value for flag in policy.Flag])
+def test_a_search_by_flag_reads_only_the_invocations_carrying_it(history: None, flag: str) -> None:
+    """Each flag's invocations are indexed in the search's order, so a flag that few
+    carry, or none, is found without walking every invocation. (PostgreSQL is told to
+    take any other way it has before reading the small table whole or sorting it.)"""
+    read = "coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)"
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            for way in ("seqscan", "bitmapscan", "sort"):
+                cursor.execute(f"SET LOCAL enable_{way} = off")
+        before = table_counts(read, "ledger\\_invocation")["ledger_invocation"]
+        found = [row.invocation_id for row in search({"flag": flag})[: PAGE + 1]]
+        fetched = table_counts(read, "ledger\\_invocation")["ledger_invocation"] - before
+    carrying = Invocation.objects.filter(flags__contains=[flag])
+    assert set(found) == set(carrying.values_list("invocation_id", flat=True)[: PAGE + 1])
+    assert fetched == len(found), (flag, fetched, found)
 
 
 def test_pages_follow_a_keyset_without_overlap(history: None, reviewer: Client) -> None:

@@ -115,6 +115,8 @@ class Command(BaseCommand):
                     created = start + dt.timedelta(seconds=n * 31_536_000 // count)
                     head = self.event_hash(n, created)
                     flags = "{undeclared}" if n % 50 == 0 else "{}"
+                    if n % 600 == 5:  # the queue's conflicts of evidence (below)
+                        flags = "{evidence_conflict}"
                     status = STATUSES[n % len(STATUSES)]
                     flagged_at = created if status == "escalated" else None
                     # Of the queue, one in 100 is a conflict of evidence, one in 1,000
@@ -175,6 +177,9 @@ class Command(BaseCommand):
             "task": {"task_id": "task-777"},
             "month": month,
             "flag": {"flag": "undeclared"},
+            "flag, 1 in 600": {"flag": "evidence_conflict"},
+            # Finds nothing, on purpose: without its index, the slowest search of all.
+            "flag, none carries it": {"flag": "approval_missing"},
             "capability + month": {"capability": "cap.3", **month},
             "operator": {"operator": "olga"},
             "operator + month": {"operator": "olga", **month},
