@@ -387,6 +387,14 @@ class Invocation(models.Model):
             models.Index(fields=["created_at", "id"], name="invocation_created"),
             models.Index(fields=["subject", "created_at", "id"], name="invocation_subject_time"),
             models.Index(fields=["task_id", "created_at", "id"], name="invocation_task_time"),
+            # And by cause, which most invocations have none of (an API write of a
+            # success writes none): a cause few have was found by walking every
+            # invocation in time order, 133 ms at a million when none had it.
+            models.Index(
+                fields=["cause", "created_at", "id"],
+                condition=~Q(cause=""),
+                name="invocation_cause_time",
+            ),
             # And by flag: each flag's invocations, in time order. A flag that few carry
             # (`evidence_conflict`) was found by walking every invocation in time order:
             # 297 ms at a million when none carried it. Partial, so a write that carries

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 from django.contrib.auth.models import Group, User
 from django.db import connection, transaction
+from django.db.models import Q
 from django.test import Client
 from hypothesis import given
 from hypothesis import strategies as st
@@ -149,22 +150,30 @@ def test_an_operator_is_found_through_the_index_of_what_people_did(history: None
     ]
 
 
-@pytest.mark.parametrize("flag", [flag.value for flag in policy.Flag])
-def test_a_search_by_flag_reads_only_the_invocations_carrying_it(history: None, flag: str) -> None:
-    """Each flag's invocations are indexed in the search's order, so a flag that few
-    carry, or none, is found without walking every invocation. (PostgreSQL is told to
-    take any other way it has before reading the small table whole or sorting it.)"""
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [*[("flag", flag.value) for flag in policy.Flag],
+     ("cause", "evidence_missing"), ("cause", "proposal_rejected")],
+)  # fmt: skip
+def test_a_search_by_flag_or_cause_reads_only_the_invocations_that_have_it(
+    history: None, name: str, value: str
+) -> None:
+    """Each flag's invocations, and each cause's, are indexed in the search's order, so
+    one that few have, or none, is found without walking every invocation. (PostgreSQL
+    is told to take any other way it has before reading the small table whole or
+    sorting it.)"""
     read = "coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)"
     with transaction.atomic():
         with connection.cursor() as cursor:
             for way in ("seqscan", "bitmapscan", "sort"):
                 cursor.execute(f"SET LOCAL enable_{way} = off")
         before = table_counts(read, "ledger\\_invocation")["ledger_invocation"]
-        found = [row.invocation_id for row in search({"flag": flag})[: PAGE + 1]]
+        found = [row.invocation_id for row in search({name: value})[: PAGE + 1]]
         fetched = table_counts(read, "ledger\\_invocation")["ledger_invocation"] - before
-    carrying = Invocation.objects.filter(flags__contains=[flag])
-    assert set(found) == set(carrying.values_list("invocation_id", flat=True)[: PAGE + 1])
-    assert fetched == len(found), (flag, fetched, found)
+    lookup = Q(flags__contains=[value]) if name == "flag" else Q(cause=value)
+    having = Invocation.objects.filter(lookup)
+    assert set(found) == set(having.values_list("invocation_id", flat=True)[: PAGE + 1])
+    assert fetched == len(found), (value, fetched, found)
 
 
 def test_pages_follow_a_keyset_without_overlap(history: None, reviewer: Client) -> None:

@@ -180,6 +180,8 @@ class Command(BaseCommand):
             "flag, 1 in 600": {"flag": "evidence_conflict"},
             # Finds nothing, on purpose: without its index, the slowest search of all.
             "flag, none carries it": {"flag": "approval_missing"},
+            "cause, 1 in 6,000": {"cause": "evidence_conflict"},
+            "cause, none has it": {"cause": "proposal_rejected"},
             "capability + month": {"capability": "cap.3", **month},
             "operator": {"operator": "olga"},
             "operator + month": {"operator": "olga", **month},
