@@ -17,7 +17,7 @@ import httpx
 import pytest
 from django.contrib.auth.models import Group, User
 from django.core.cache import cache
-from django.db import connection, connections
+from django.db import connection, connections, transaction
 from django.test import Client
 from psycopg.pq import TransactionStatus
 
@@ -198,6 +198,20 @@ def table_counts(counter: str, tables: str) -> dict[str, int]:
             [tables],
         )
         return dict(cursor.fetchall())
+
+
+def invocation_rows_read[T](action: Callable[[], T]) -> tuple[T, int]:
+    """What `action` returns, and the invocation rows PostgreSQL read for it, told to
+    take any other way it has before reading a table whole, by bitmap, or sorting it:
+    the tests' tables are small enough that it would, where a ledger's are not."""
+    read = "coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)"
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            for way in ("seqscan", "bitmapscan", "sort"):
+                cursor.execute(f"SET LOCAL enable_{way} = off")
+        before = table_counts(read, "ledger\\_invocation")["ledger_invocation"]
+        result = action()
+        return result, table_counts(read, "ledger\\_invocation")["ledger_invocation"] - before
 
 
 def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> None:

@@ -23,7 +23,7 @@ from ledger.models import Capability, Event, Invocation
 from ledger.services import flag_missing_evidence
 from ledger.views import PAGE
 from reconciliation.services import invocation_assign, invocation_resolve, probe_requested
-from tests.conftest import Api, table_counts
+from tests.conftest import Api, invocation_rows_read
 from tests.ledger.conftest import ledger_clock_at, superuser_sql
 
 
@@ -159,17 +159,9 @@ def test_a_search_by_flag_or_cause_reads_only_the_invocations_that_have_it(
     history: None, name: str, value: str
 ) -> None:
     """Each flag's invocations, and each cause's, are indexed in the search's order, so
-    one that few have, or none, is found without walking every invocation. (PostgreSQL
-    is told to take any other way it has before reading the small table whole or
-    sorting it.)"""
-    read = "coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)"
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            for way in ("seqscan", "bitmapscan", "sort"):
-                cursor.execute(f"SET LOCAL enable_{way} = off")
-        before = table_counts(read, "ledger\\_invocation")["ledger_invocation"]
-        found = [row.invocation_id for row in search({name: value})[: PAGE + 1]]
-        fetched = table_counts(read, "ledger\\_invocation")["ledger_invocation"] - before
+    one that few have, or none, is found without walking every invocation."""
+    rows, fetched = invocation_rows_read(lambda: list(search({name: value})[: PAGE + 1]))
+    found = [row.invocation_id for row in rows]
     lookup = Q(flags__contains=[value]) if name == "flag" else Q(cause=value)
     having = Invocation.objects.filter(lookup)
     assert set(found) == set(having.values_list("invocation_id", flat=True)[: PAGE + 1])

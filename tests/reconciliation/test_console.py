@@ -30,7 +30,7 @@ from reconciliation.forms import QueueFilterForm
 from reconciliation.services import invocation_assign
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
-from tests.conftest import Api, person, process_env, registered, table_counts
+from tests.conftest import Api, invocation_rows_read, person, process_env, registered
 from tests.reconciliation.conftest import BrokerQueue, perform_refund
 
 
@@ -391,19 +391,11 @@ def test_a_deep_queue_page_reads_a_page(
 
 def rows_read_for(query: str, user: str) -> tuple[list[str], int]:
     """The invocations the queue's first page lists for `query`, and the invocation
-    rows PostgreSQL read for it (told to take any other way it has before reading the
-    small table whole or sorting it)."""
+    rows PostgreSQL read for it."""
     from reconciliation import views
 
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            for way in ("seqscan", "bitmapscan", "sort"):
-                cursor.execute(f"SET LOCAL enable_{way} = off")
-        read = "coalesce(idx_tup_fetch, 0) + coalesce(seq_tup_read, 0)"
-        before = table_counts(read, "ledger\\_invocation")["ledger_invocation"]
-        form = QueueFilterForm(QueryDict(query))
-        rows = views.queue_rows(form, User.objects.get(username=user))
-        fetched = table_counts(read, "ledger\\_invocation")["ledger_invocation"] - before
+    form, person = QueueFilterForm(QueryDict(query)), User.objects.get(username=user)
+    rows, fetched = invocation_rows_read(lambda: views.queue_rows(form, person))
     return [row.invocation_id for row in rows], fetched
 
 
