@@ -105,6 +105,14 @@ def counted(request: Callable[[], object]) -> bool:
     return any("COUNT(" in query["sql"] for query in queries.captured_queries)
 
 
+def test_a_runtime_that_does_not_exist_selects_nothing_in_the_queue(
+    flagged: str, operator: Client
+) -> None:
+    """Its id is looked up first: a name that finds none must not drop the filter."""
+    assert queue_page(operator, "runtime=runtime-a") == (["inv-1"], None)
+    assert queue_page(operator, "runtime=no-such-runtime") == ([], None)
+
+
 def test_the_rows_a_filter_swaps_in_are_read_without_the_counts(
     flagged: str, operator: Client
 ) -> None:
