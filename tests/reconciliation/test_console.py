@@ -674,6 +674,44 @@ def dashboard_card(client: Client, name: str = "background-work") -> str:
     return page.split(f'id="{name}"')[1].split("</section>")[0]
 
 
+def reported_lost(api: Api, invocation_id: str, capability: str = "refund.create") -> None:
+    """An invocation whose runtime reported its outcome lost: in the queue for a probe."""
+    api.intent(
+        invocation_id=invocation_id,
+        idempotency_key=f"k-{invocation_id}",
+        capability=capability,
+        attempt_id="a1",
+    )
+    api.outcome(invocation_id, "a1", kind="post_dispatch_evidence_failed")
+
+
+def test_the_dashboard_counts_probe_findings_per_capability_and_no_probe_apart(
+    api: Api, refunds: Capability, standin: StandInService, operator: Client
+) -> None:
+    """An invocation handed to a person for want of a probe is not a probe that found
+    nothing: the card once counted it as inconclusive."""
+    reported_lost(api, "inv-found")
+    perform_refund(standin, "k-inv-found")
+    reconcile_invocation.run("inv-found")
+    reported_lost(api, "inv-unreachable")
+    standin.stop()  # the probe cannot reach the business system: inconclusive
+    reconcile_invocation.run("inv-unreachable")
+    reported_lost(api, "inv-undeclared", capability="payroll.update")
+    reconcile_invocation.run("inv-undeclared")
+
+    card = dashboard_card(operator, "probes")
+    rows = [
+        re.sub(r"<[^>]+>", " ", row).split()
+        for row in re.findall(r"<tr><td>(.*?)</tr>", card, re.DOTALL)
+    ]
+
+    assert rows == [
+        ["refund.create", "2", "1", "(50%)", "0"],
+        ["payroll.update", "0", "-", "1"],
+    ]
+    assert 'href="/audit/?capability=payroll.update"' in card
+
+
 def test_the_dashboard_says_when_beats_work_falls_behind(
     api: Api, refund: Capability, operator: Client
 ) -> None:
