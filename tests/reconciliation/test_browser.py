@@ -19,6 +19,7 @@ from ledger.integrity import verify_next_slice
 from ledger.models import Capability, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
+from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, registered
 
 CHROMIUM = "/usr/bin/chromium"
@@ -340,6 +341,7 @@ def test_screenshots_of_the_console(
     )
     registered("refund.create", risk_level="high", rate_limit={"count": 60, "window": "1m"})
     watch_rate_limits()
+    reconcile_invocation.run("inv-1")  # no probe: escalated, on the dashboard's probe card
     folder = Path(os.environ.get("LEDGER_SCREENSHOTS", tmp_path))
     page = log_in(browser, live_server.url, "olga", True)
     page.set_viewport_size({"width": 1280, "height": 800})
