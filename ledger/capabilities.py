@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Count, Max, QuerySet
 
 from ledger import acc
 from ledger.chain import digest
-from ledger.models import AdminAction, Capability, CapabilityDeclaration
+from ledger.models import AdminAction, Capability, CapabilityDeclaration, Invocation
+from ledger.policy import Flag
 
 # The action log's records of the registry (ledger.integrity checks every capability
 # against them).
@@ -164,6 +166,27 @@ def capability_settings_change(
         details={"changed": changed, "settings": after},
     )
     return changed
+
+
+UNDECLARED_SHOWN = 50
+
+
+def called_undeclared(since: dt.datetime) -> list[dict[str, Any]]:
+    """The scopes runtimes recorded intents for, since a time, with no capability
+    registered under them (flagged `undeclared`): what an administrator may have to
+    declare. Read through the flag's partial index; the latest called first."""
+    rows = (
+        Invocation.objects.filter(flags__contains=[Flag.UNDECLARED], created_at__gte=since)
+        .values("capability_scope")
+        .annotate(invocations=Count("id"), last_called=Max("created_at"))
+        .order_by("-last_called")[:UNDECLARED_SHOWN]
+    )
+    declared_since = set(
+        Capability.objects.filter(scope__in=[row["capability_scope"] for row in rows]).values_list(
+            "scope", flat=True
+        )
+    )
+    return [row | {"declared_since": row["capability_scope"] in declared_since} for row in rows]
 
 
 def capability_history(scope: str) -> QuerySet[AdminAction]:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import datetime as dt
 import hmac
 import logging
 from typing import Any
@@ -17,6 +18,7 @@ from django.http import (
     StreamingHttpResponse,
 )
 from django.shortcuts import get_object_or_404, render
+from django.utils import timezone
 from django.views import defaults
 from django.views.decorators.http import require_GET
 from kombu import Connection
@@ -31,7 +33,7 @@ from ledger.audit import (
     page_cursor,
     search,
 )
-from ledger.capabilities import capability_history
+from ledger.capabilities import called_undeclared, capability_history
 from ledger.integrity import (
     CAPABILITY_ADVICE,
     UNEXPLAINED_HISTORY_ADVICE,
@@ -232,11 +234,21 @@ def action_log(request: HttpRequest) -> HttpResponse:
     return render(request, "ledger/actions.html", context)
 
 
+# Long enough to catch a capability called weekly; short enough that the page reads
+# a week of undeclared intents, not the whole history.
+UNDECLARED_WINDOW = dt.timedelta(days=7)
+
+
 @require_GET
 @role_required(*READERS)
 def capability_list(request: HttpRequest) -> HttpResponse:
-    """Every capability with what governs its invocations now."""
-    context = {"capabilities": Capability.objects.order_by("scope")}
+    """Every capability with what governs its invocations now, and the scopes
+    runtimes called lately without one."""
+    context = {
+        "capabilities": Capability.objects.order_by("scope"),
+        "undeclared": called_undeclared(timezone.now() - UNDECLARED_WINDOW),
+        "undeclared_days": UNDECLARED_WINDOW.days,
+    }
     return render(request, "ledger/capabilities.html", context)
 
 

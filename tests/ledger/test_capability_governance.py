@@ -4,13 +4,16 @@ and verification checks each capability and declaration against it."""
 
 from __future__ import annotations
 
+import datetime as dt
 import io
+import re
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
 from ledger import acc, chain
 from ledger.capabilities import (
@@ -23,7 +26,7 @@ from ledger.capabilities import (
 )
 from ledger.integrity import CAPABILITY_ADVICE, verify, verify_next_slice
 from ledger.models import AdminAction, Capability, CapabilityDeclaration
-from tests.conftest import SHARED_ACC, Api, person, registered
+from tests.conftest import SHARED_ACC, Api, invocation_rows_read, person, registered
 from tests.ledger.conftest import at_migration, superuser_sql
 
 
@@ -379,3 +382,46 @@ def test_the_capability_pages_are_for_people_with_a_role(db: None, api: Api) -> 
     assert (
         person("cora", "compliance").get("/audit/capabilities/payroll.change/").status_code == 404
     )
+
+
+def test_the_capability_list_names_the_scopes_called_without_a_declaration(
+    api: Api, api_b: Api, lookup: Capability
+) -> None:
+    """What an administrator may have to declare: the scopes of the last week's
+    undeclared intents, read from those invocations alone."""
+
+    def intent(client: Api, invocation_id: str, capability: str) -> None:
+        status, body = client.intent(
+            invocation_id=invocation_id, idempotency_key=f"k-{invocation_id}", capability=capability
+        )
+        assert status == 201, body
+
+    intent(api, "inv-old", "deploy.start")
+    superuser_sql(  # recorded eight days ago: out of the page's week
+        "UPDATE ledger_invocation SET created_at = %s WHERE invocation_id = 'inv-old'",
+        timezone.now() - dt.timedelta(days=8),
+    )
+    intent(api, "inv-pay-a", "payroll.update")
+    intent(api_b, "inv-pay-b", "payroll.update")
+    intent(api, "inv-refund", "refund.create")
+    registered("refund.create")  # declared since its undeclared intent
+    intent(api, "inv-refund-2", "refund.create")
+    intent(api, "inv-read", "order.read")
+
+    page, rows_read = invocation_rows_read(
+        lambda: person("ada", "admin").get("/audit/capabilities/").content.decode()
+    )
+
+    listed = page.split('<table class="undeclared">')[1].split("</table>")[0]
+    rows = [
+        re.sub(r"<[^>]+>", "|", row).split("|")
+        for row in re.findall(r"<tr><td>(.*?)</tr>", listed, re.DOTALL)
+    ]
+    assert [[cell.strip() for cell in row if cell.strip()][:2] for row in rows] == [
+        ["refund.create", "1"],
+        ["payroll.update", "2"],
+    ]
+    assert 'href="/audit/?capability=payroll.update&amp;flag=undeclared"' in listed
+    assert '<a href="/audit/capabilities/refund.create/">declared since</a>' in listed
+    assert listed.count("not declared") == 1
+    assert rows_read == 3
