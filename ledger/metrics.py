@@ -13,7 +13,8 @@ several workers would each hold a different part of.
   past their deadline that the sweeper has not flagged yet, and by how long;
   `ledger_invocations_overdue_refused`: those of them whose rows were changed outside
   the ledger, which the sweep refuses to flag until an admin restores them;
-- `ledger_probe_runs_last_hour{finding}`: what probes found in the last hour;
+- `ledger_probe_runs_last_hour{capability, finding}`: what probes found in the last hour
+  (the runs that found no probe to run counted together, under `capability=""`);
 - `ledger_shared_references_last_hour{kind}`: evidence recorded in the last hour that
   names a business reference other invocations' evidence names already (flagged
   `reference_shared`), by event kind: one effect may be counted for two intents;
@@ -47,7 +48,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db.models import Count, Func, IntegerField, Min, Q, Sum, TextField, Value
+from django.db.models import Count, F, Func, IntegerField, Min, Q, Sum, TextField, Value
 from django.db.models.fields.json import KT
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -185,6 +186,52 @@ class BackgroundWork:
         return self.partitions.months_ahead < 1 or self.partitions.unpartitioned > 0
 
 
+# The finding of a probe_run event that ran no probe: its capability has none, so the
+# invocation went to a person.
+NO_PROBE = "none"
+
+
+def probe_run_counts(since: dt.datetime) -> list[tuple[str, str, int]]:
+    """The probe_run events since a time, counted by capability and finding."""
+    counts = (
+        Event.objects.filter(kind="probe_run", created_at__gte=since)
+        .annotate(
+            capability=F("invocation__capability_scope"),
+            finding=Coalesce(KT("data__finding"), Value(NO_PROBE), output_field=TextField()),
+        )
+        .values("capability", "finding")
+        .annotate(n=Count("id"))
+        .values_list("capability", "finding", "n")
+    )
+    return list(counts)
+
+
+@dataclass
+class ProbeRuns:
+    """A capability's probe_run events: the probes run, those that found nothing
+    conclusive (tried again later), and the invocations handed to a person because the
+    capability has no probe, which are no probe that failed."""
+
+    capability: str
+    runs: int = 0
+    inconclusive: int = 0
+    no_probe: int = 0
+
+
+def probe_runs_per_capability(counts: Iterable[tuple[str, str, int]]) -> list[ProbeRuns]:
+    """`probe_run_counts` by capability, the most probed first."""
+    per_capability: dict[str, ProbeRuns] = {}
+    for capability, finding, n in counts:
+        runs = per_capability.setdefault(capability, ProbeRuns(capability))
+        if finding == NO_PROBE:
+            runs.no_probe += n
+            continue
+        runs.runs += n
+        if finding == "inconclusive":
+            runs.inconclusive += n
+    return sorted(per_capability.values(), key=lambda r: (-r.runs, -r.no_probe, r.capability))
+
+
 def background_work(now: dt.datetime | None = None) -> BackgroundWork:
     now = now or timezone.now()
     overdue = Invocation.objects.overdue(now)
@@ -317,22 +364,8 @@ class LedgerCollector(Collector):
             value=len(work.refused),
         )
 
+        yield _probe_runs(probe_run_counts(now - RECENT))
         recent = Event.objects.filter(created_at__gte=now - RECENT)
-        findings = (
-            recent.filter(kind="probe_run")
-            .annotate(
-                finding=Coalesce(KT("data__finding"), Value("none"), output_field=TextField())
-            )
-            .values("finding")
-            .annotate(n=Count("id"))
-            .values_list("finding", "n")
-        )
-        yield _counted(
-            "ledger_probe_runs_last_hour",
-            "Probe runs in the last hour, by finding ('none': no probe to run).",
-            "finding",
-            findings,
-        )
         shared = (
             recent.filter(NAMES_A_SHARED_REFERENCE)
             .values("kind")
@@ -423,6 +456,26 @@ def _counted(
     family = GaugeMetricFamily(name, documentation, labels=[label])
     for value, n in sorted(counts):
         family.add_metric([value], n)
+    return family
+
+
+def _probe_runs(counts: Iterable[tuple[str, str, int]]) -> GaugeMetricFamily:
+    """By capability and finding. The runs that found no probe are counted together: a
+    runtime names the scopes of undeclared capabilities, and would name the series."""
+    family = GaugeMetricFamily(
+        "ledger_probe_runs_last_hour",
+        "Probe runs in the last hour, by capability and finding ('none': no probe to run, "
+        "every capability's counted together).",
+        labels=["capability", "finding"],
+    )
+    no_probe = 0
+    for capability, finding, n in sorted(counts):
+        if finding == NO_PROBE:
+            no_probe += n
+        else:
+            family.add_metric([capability, finding], n)
+    if no_probe:
+        family.add_metric(["", NO_PROBE], no_probe)
     return family
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from django import forms
 from django.contrib import messages
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
-from django.db.models import Count, F, Min, Q, Value
+from django.db.models import Count, Min, Value
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
@@ -26,7 +25,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from ledger import chain, policy
 from ledger.audit import invocations_naming
 from ledger.integrity import restore_projection
-from ledger.metrics import background_work
+from ledger.metrics import background_work, probe_run_counts, probe_runs_per_capability
 from ledger.models import (
     FLAGGED_STATUSES,
     MAX_RISK_RANK,
@@ -55,7 +54,6 @@ from reconciliation.forms import (
     ResolveForm,
     RestoreForm,
 )
-from reconciliation.probes import Finding
 from reconciliation.tasks import reconcile_invocation
 
 log = logging.getLogger(__name__)
@@ -478,25 +476,6 @@ def counts_by_status() -> dict[str, Any]:
 PROBED_CAPABILITIES_SHOWN = 20
 
 
-def probe_findings(since: dt.datetime) -> list[Mapping[str, Any]]:
-    """What each capability's probes found since a time, the most probed first.
-
-    A capability without a probe runs none: its probe_run events (no finding) hand
-    the invocation to a person and are counted apart, so they never read as a probe
-    that failed."""
-    rows = (
-        Event.objects.filter(kind="probe_run", created_at__gte=since)
-        .values(capability=F("invocation__capability_scope"))
-        .annotate(
-            runs=Count("id", filter=~Q(data__finding=None)),
-            inconclusive=Count("id", filter=Q(data__finding=Finding.INCONCLUSIVE)),
-            no_probe=Count("id", filter=Q(data__finding=None)),
-        )
-        .order_by("-runs", "-no_probe", "capability")[:PROBED_CAPABILITIES_SHOWN]
-    )
-    return list(rows)
-
-
 @require_GET
 @role_required(*READERS)
 def dashboard(request: HttpRequest) -> HttpResponse:
@@ -508,7 +487,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         .values("capability_scope")
         .annotate(n=Count("id"))
         .order_by("-n")[:20],
-        "probes": probe_findings(hour_ago),
+        "probes": probe_runs_per_capability(probe_run_counts(hour_ago))[:PROBED_CAPABILITIES_SHOWN],
         "shared_references": Event.objects.filter(
             NAMES_A_SHARED_REFERENCE, created_at__gte=hour_ago
         ).count(),

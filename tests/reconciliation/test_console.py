@@ -31,6 +31,7 @@ from reconciliation.services import invocation_assign
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, invocation_rows_read, person, process_env, registered
+from tests.ledger.test_metrics import samples
 from tests.reconciliation.conftest import BrokerQueue, perform_refund
 
 
@@ -685,11 +686,12 @@ def reported_lost(api: Api, invocation_id: str, capability: str = "refund.create
     api.outcome(invocation_id, "a1", kind="post_dispatch_evidence_failed")
 
 
-def test_the_dashboard_counts_probe_findings_per_capability_and_no_probe_apart(
+def test_the_dashboard_and_metrics_count_probe_findings_per_capability_no_probe_apart(
     api: Api, refunds: Capability, standin: StandInService, operator: Client
 ) -> None:
     """An invocation handed to a person for want of a probe is not a probe that found
-    nothing: the card once counted it as inconclusive."""
+    nothing: the card once counted it as inconclusive. /metrics counts the runs that
+    found no probe together, whatever scopes the runtimes named."""
     reported_lost(api, "inv-found")
     perform_refund(standin, "k-inv-found")
     reconcile_invocation.run("inv-found")
@@ -710,6 +712,12 @@ def test_the_dashboard_counts_probe_findings_per_capability_and_no_probe_apart(
         ["payroll.update", "0", "-", "1"],
     ]
     assert 'href="/audit/?capability=payroll.update"' in card
+    runs = {
+        dict(labels)["capability"] + " " + dict(labels)["finding"]: value
+        for (name, labels), value in samples(metrics.exposition()).items()
+        if name == "ledger_probe_runs_last_hour"
+    }
+    assert runs == {"refund.create effect_present": 1, "refund.create inconclusive": 1, " none": 1}
 
 
 def test_the_dashboard_says_when_beats_work_falls_behind(
