@@ -209,8 +209,8 @@ def probe_run_counts(since: dt.datetime) -> list[tuple[str, str, int]]:
 @dataclass
 class ProbeRuns:
     """A capability's probe_run events: the probes run, those that found nothing
-    conclusive (tried again later), and the invocations handed to a person because the
-    capability has no probe, which are no probe that failed."""
+    conclusive (tried again later), and apart, since no probe failed there, the
+    invocations handed to a person because the capability has no probe."""
 
     capability: str
     runs: int = 0
@@ -227,7 +227,7 @@ def probe_runs_per_capability(counts: Iterable[tuple[str, str, int]]) -> list[Pr
             runs.no_probe += n
             continue
         runs.runs += n
-        if finding == "inconclusive":
+        if finding == "inconclusive":  # reconciliation.probes.Finding.INCONCLUSIVE
             runs.inconclusive += n
     return sorted(per_capability.values(), key=lambda r: (-r.runs, -r.no_probe, r.capability))
 
