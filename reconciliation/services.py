@@ -9,6 +9,7 @@ both settle the same invocation.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
@@ -16,8 +17,13 @@ from django.utils import timezone
 
 from ledger import policy
 from ledger.audit import invocations_naming
-from ledger.models import Invocation
-from ledger.services import LedgerError, invocation_transition, shared_reference_data
+from ledger.models import Capability, Invocation, InvocationQuerySet
+from ledger.services import (
+    LedgerError,
+    invocation_transition,
+    invocation_transitions,
+    shared_reference_data,
+)
 from reconciliation.probes import Finding, ProbeResult
 
 FINDING_EFFECT = {Finding.PRESENT: policy.Effect.PRESENT, Finding.ABSENT: policy.Effect.ABSENT}
@@ -49,6 +55,44 @@ def probe_requested(*, invocation_id: str, actor: str, queued: bool) -> None:
         kind="probe_requested",
         change=lambda invocation: {"status": invocation.status, "queued": queued},
     )
+
+
+# What a probe added since, or answering again, may settle: an invocation escalated for
+# want of a probe, or because its probe could not tell. (A conflict of evidence or a
+# shared reference is a person's to decide, whatever a probe finds.)
+A_PROBE_COULD_SETTLE = (policy.Cause.NO_PROBE, policy.Cause.PROBE_INCONCLUSIVE)
+
+
+def escalated_a_probe_could_settle(capability: Capability) -> InvocationQuerySet:
+    """The capability's escalated invocations that its probe could settle now, but
+    those a person is on. (Those recorded before it was declared have no capability:
+    people decide them.) Read through `invocation_queue_by_capability`."""
+    return Invocation.objects.filter(
+        status=policy.Status.ESCALATED,
+        capability_scope=capability.scope,
+        capability=capability,
+        cause__in=A_PROBE_COULD_SETTLE,
+        assignee="",
+    )
+
+
+def probes_requested(
+    *, capability: Capability, invocation_ids: Sequence[str], actor: str
+) -> list[str]:
+    """An operator asked for the probe of every invocation of a capability it could
+    settle: recorded on each that still waits for it, state unchanged; returns those."""
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        if invocation.status != policy.Status.ESCALATED or invocation.assignee:
+            return None
+        if invocation.cause not in A_PROBE_COULD_SETTLE:
+            return None
+        return {"status": invocation.status, "queued": True, "every_of": capability.scope}
+
+    requested = invocation_transitions(
+        invocation_ids=invocation_ids, actor=actor, kind="probe_requested", change=change
+    )
+    return [invocation.invocation_id for invocation in requested]
 
 
 def invocation_assign(

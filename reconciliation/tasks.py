@@ -10,6 +10,7 @@ import socket
 
 from celery import shared_task
 
+from ledger.models import Capability
 from ledger.services import LedgerError
 from reconciliation import probes, services, sweeper
 
@@ -59,3 +60,35 @@ def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
         return "lease lost"
     log.info("probe invocation=%s finding=%s status=%s", invocation_id, finding, settled.status)
     return "recorded"
+
+
+# Invocations recorded per statement pair (ledger.services.invocation_transitions).
+REQUEST_BATCH = 200
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def request_probes(scope: str, actor: str) -> int:
+    """An operator's "re-run the probes" for a capability, after its probe was added or
+    the business system it asks is back: each escalated invocation the probe could
+    settle gets the operator's probe_requested event, then a job that claims it.
+
+    A message delivered twice asks again for those escalated again meanwhile: probes
+    are read-only, so that repeats a question, never an effect."""
+    capability = Capability.objects.filter(scope=scope).first()
+    if capability is None or not capability.has_probe:
+        log.warning("probes not requested capability=%s: it has no probe", scope)
+        return 0
+    waiting = list(
+        services.escalated_a_probe_could_settle(capability).values_list("invocation_id", flat=True)
+    )
+    requested = 0
+    for start in range(0, len(waiting), REQUEST_BATCH):
+        for invocation_id in services.probes_requested(
+            capability=capability,
+            invocation_ids=waiting[start : start + REQUEST_BATCH],
+            actor=actor,
+        ):
+            reconcile_invocation.delay(invocation_id, force=True)
+            requested += 1
+    log.info("probes requested capability=%s invocations=%d actor=%s", scope, requested, actor)
+    return requested

@@ -25,6 +25,7 @@ app_name = "console"
 urlpatterns = [
     path("", views.queue, name="queue"),
     path("queue/counts", views.queue_counts, name="queue-counts"),
+    path("queue/probes", views.request_probes, name="queue-probes"),
     path("dashboard/", views.dashboard, name="dashboard"),
     path("invocations/<stored_id:invocation_id>/", views.invocation_page, name="invocation"),
     path("invocations/<stored_id:invocation_id>/resolve", views.resolve, name="resolve"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from typing import Any
+from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
@@ -18,6 +19,8 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Min, Value
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.template.defaultfilters import pluralize
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -32,6 +35,7 @@ from ledger.models import (
     NAMES_A_SHARED_REFERENCE,
     RISK_FIRST,
     RISK_RANK,
+    Capability,
     Event,
     Invocation,
     Row,
@@ -55,6 +59,7 @@ from reconciliation.forms import (
     RestoreForm,
 )
 from reconciliation.tasks import reconcile_invocation
+from reconciliation.tasks import request_probes as request_probes_task
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,19 @@ def status_counts() -> dict[str, int]:
     return {status: counted.get(status, 0) for status in FLAGGED_STATUSES}
 
 
+def probes_to_offer(form: QueueFilterForm, user: Any) -> dict[str, Any] | None:
+    """With the queue filtered by a capability that has a probe, to a person who may
+    act: how many of its escalated invocations the probe could settle now."""
+    scope = form.cleaned_data.get("capability") if form.is_bound and form.is_valid() else None
+    if not scope or not roles(user) & set(ACTORS):
+        return None
+    capability = Capability.objects.filter(scope=scope).first()
+    if capability is None or not capability.has_probe:
+        return None
+    waiting = services.escalated_a_probe_could_settle(capability).count()
+    return {"capability": scope, "waiting": waiting} if waiting else None
+
+
 @require_GET
 @role_required(*READERS)
 def queue(request: HttpRequest) -> HttpResponse:
@@ -155,8 +173,45 @@ def queue(request: HttpRequest) -> HttpResponse:
         # Counted for the whole page only: the rows alone, which a filter or a next page
         # swaps in, do not show them (they refresh on their own).
         "counts": {} if wants_fragment(request) else status_counts(),
+        "probes": probes_to_offer(form, request.user),
     }
     return render(request, fragment(request, "reconciliation/queue.html", "queue-rows"), context)
+
+
+@require_POST
+@role_required(*ACTORS)
+def request_probes(request: HttpRequest) -> HttpResponse:
+    """Re-run the probe of every escalated invocation of a capability that it could
+    settle (after the probe was added, or the business system is back). A worker
+    records each as this person's request and queues its job: thousands are too many
+    for one request."""
+    scope = request.POST.get("capability", "")
+    back = redirect(f"{reverse('console:queue')}?{urlencode({'capability': scope})}")
+    capability = Capability.objects.filter(scope=scope).first()
+    if capability is None or not capability.has_probe:
+        messages.error(request, f"{scope or 'No capability'} has no probe to run.")
+        return back
+    waiting = services.escalated_a_probe_could_settle(capability).count()
+    if not waiting:
+        messages.error(request, f"No escalated invocation of {scope} waits for its probe.")
+        return back
+    try:
+        request_probes_task.delay(scope, actor(request))
+    except KombuOperationalError as exc:
+        log.warning("probes not queued capability=%s error=%s", scope, exc)
+        messages.error(
+            request,
+            "The probes are not queued: the task broker is unreachable. Nothing was "
+            "recorded; try again once the broker is back.",
+        )
+        return back
+    messages.success(
+        request,
+        f"Probes requested for the {waiting} escalated invocation{pluralize(waiting)} of "
+        f"{scope} that its probe could settle: each records your request, and the queue "
+        "shows what they find.",
+    )
+    return back
 
 
 @require_GET

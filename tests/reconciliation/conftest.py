@@ -13,7 +13,7 @@ import pytest
 
 from ledger.models import Capability, Invocation
 from reconciliation.standin import StandInService
-from tests.conftest import process_env, registered
+from tests.conftest import Api, process_env, registered
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,17 @@ def perform_refund(standin: StandInService, key: str, amount: int = 25) -> httpx
     return httpx.post(
         f"{standin.url}/refunds", json={"idempotency_key": key, "order": "SO-1", "amount": amount}
     )
+
+
+def reported_lost(api: Api, invocation_id: str, capability: str = "refund.create") -> None:
+    """An invocation whose runtime reported its outcome lost: in the queue for a probe."""
+    api.intent(
+        invocation_id=invocation_id,
+        idempotency_key=f"k-{invocation_id}",
+        capability=capability,
+        attempt_id="a1",
+    )
+    api.outcome(invocation_id, "a1", kind="post_dispatch_evidence_failed")
 
 
 def status_of(invocation_id: str) -> str:

@@ -22,17 +22,17 @@ from django.utils import timezone
 from ledger import metrics
 from ledger.capabilities import capability_settings_change
 from ledger.integrity import seal_events, verify_next_slice
-from ledger.models import Capability, Invocation
+from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
 from reconciliation.forms import QueueFilterForm
 from reconciliation.services import invocation_assign
 from reconciliation.standin import StandInService
-from reconciliation.tasks import reconcile_invocation
+from reconciliation.tasks import reconcile_invocation, request_probes
 from tests.conftest import Api, invocation_rows_read, person, process_env, registered
 from tests.ledger.test_metrics import samples
-from tests.reconciliation.conftest import BrokerQueue, perform_refund
+from tests.reconciliation.conftest import BrokerQueue, perform_refund, reported_lost, status_of
 
 
 def flag(api: Api) -> None:
@@ -675,17 +675,6 @@ def dashboard_card(client: Client, name: str = "background-work") -> str:
     return page.split(f'id="{name}"')[1].split("</section>")[0]
 
 
-def reported_lost(api: Api, invocation_id: str, capability: str = "refund.create") -> None:
-    """An invocation whose runtime reported its outcome lost: in the queue for a probe."""
-    api.intent(
-        invocation_id=invocation_id,
-        idempotency_key=f"k-{invocation_id}",
-        capability=capability,
-        attempt_id="a1",
-    )
-    api.outcome(invocation_id, "a1", kind="post_dispatch_evidence_failed")
-
-
 def test_the_dashboard_and_metrics_count_probe_findings_per_capability_no_probe_apart(
     api: Api, refunds: Capability, standin: StandInService, operator: Client
 ) -> None:
@@ -1151,3 +1140,90 @@ def test_the_audit_search_by_reference_lists_every_invocation_naming_it(
     page = operator.get("/audit/", {"business_reference": "RF-1"}).content.decode()
 
     assert re.findall(r'href="/invocations/(inv-\d)/"', page) == ["inv-3", "inv-1"]
+
+
+@pytest.fixture
+def escalated_for_want_of_a_probe(api: Api, refund: Capability, standin: StandInService) -> None:
+    """inv-a (refunded), inv-b (not) and inv-c (refunded, olga's colleague on it),
+    escalated while refund.create had no probe; then an admin gave it one."""
+    for invocation_id in ("inv-a", "inv-b", "inv-c"):
+        reported_lost(api, invocation_id)
+        reconcile_invocation.run(invocation_id)
+        assert Invocation.objects.get(invocation_id=invocation_id).cause == "no_probe"
+    perform_refund(standin, "k-inv-a")
+    perform_refund(standin, "k-inv-c")
+    invocation_assign(invocation_id="inv-c", actor="user:petra", take=True)
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="payments can be asked now",
+        probe=standin.probe_config(),
+    )  # fmt: skip
+
+
+def probe_requests(invocation_id: str) -> list[tuple[str, Any]]:
+    events = Invocation.objects.get(invocation_id=invocation_id).events
+    return [(e.actor, e.data.get("every_of")) for e in events.filter(kind="probe_requested")]
+
+
+def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_invocations(
+    escalated_for_want_of_a_probe: None,
+    operator: Client,
+    compliance: Client,
+    broker_queue: BrokerQueue,
+) -> None:
+    page = operator.get("/", {"capability": "refund.create"}).content.decode()
+    assert "2 escalated invocations of refund.create that nobody is on" in page
+    assert (
+        "Re-run their probes" not in compliance.get("/?capability=refund.create").content.decode()
+    )
+    assert "Re-run their probes" not in operator.get("/").content.decode()  # no capability named
+
+    answer = operator.post("/queue/probes", {"capability": "refund.create"}, follow=True)
+
+    assert "Probes requested for the 2 escalated invocations of refund.create" in (
+        answer.content.decode()
+    )
+    assert answer.redirect_chain[-1][0] == "/?capability=refund.create"
+    assert broker_queue.jobs() == 1  # the request: a worker records and queues each probe
+    assert request_probes.run("refund.create", "user:olga") == 2
+    assert broker_queue.jobs() == 3
+    assert probe_requests("inv-a") == probe_requests("inv-b") == [("user:olga", "refund.create")]
+    assert probe_requests("inv-c") == []  # petra is on it
+    for invocation_id in ("inv-a", "inv-b"):
+        reconcile_invocation.run(invocation_id, force=True)
+    assert status_of("inv-a") == "succeeded" and status_of("inv-b") == "retry_allowed"
+    assert status_of("inv-c") == "escalated"
+    assert "Re-run their probes" not in operator.get("/?capability=refund.create").content.decode()
+
+
+def test_probes_are_not_rerun_for_whom_none_may_settle(
+    escalated_for_want_of_a_probe: None,
+    api: Api,
+    operator: Client,
+    compliance: Client,
+    broker_queue: BrokerQueue,
+) -> None:
+    reported_lost(api, "inv-undeclared", capability="payroll.update")
+    reconcile_invocation.run("inv-undeclared")
+    registered("payroll.update", settings={"probe": {"kind": "none"}})
+    events = Event.objects.count()
+
+    assert compliance.post("/queue/probes", {"capability": "refund.create"}).status_code == 403
+    for scope, said in (
+        ("payroll.update", "payroll.update has no probe to run."),
+        ("nothing.here", "nothing.here has no probe to run."),
+        ("", "No capability has no probe to run."),
+    ):
+        answer = operator.post("/queue/probes", {"capability": scope}, follow=True)
+        assert said in answer.content.decode(), scope
+    assert broker_queue.jobs() == 0
+    assert Event.objects.count() == events
+
+
+def test_probes_the_broker_cannot_take_are_reported_and_nothing_recorded(
+    escalated_for_want_of_a_probe: None, operator: Client, broker_down: None
+) -> None:
+    events = Event.objects.count()
+    answer = operator.post("/queue/probes", {"capability": "refund.create"}, follow=True)
+    assert answer.status_code == 200
+    assert "The probes are not queued: the task broker is unreachable." in answer.content.decode()
+    assert Event.objects.count() == events

@@ -23,8 +23,8 @@ from ledger.partitions import create_event_partitions, month_partition, partitio
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
-from tests.conftest import LOG_RECORD, LOG_TIME, Api, registered, wait_for
-from tests.reconciliation.conftest import Workers, perform_refund, status_of
+from tests.conftest import LOG_RECORD, LOG_TIME, Api, person, registered, wait_for
+from tests.reconciliation.conftest import Workers, perform_refund, reported_lost, status_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -351,3 +351,36 @@ def test_beat_has_a_worker_verify_the_ledger_and_find_a_row_changed_outside_it(
             "invocation_id": "inv-2",
         }
     ]
+
+
+def test_after_an_outage_an_operator_reruns_every_escalated_probe_and_each_settles_once(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers, settings: Any
+) -> None:
+    """The payments service answered 5xx while three outcomes were lost: each probe
+    could not tell, and each invocation went to people. Once it is back, one request
+    re-runs them all, on a real worker."""
+    settings.LEDGER_PROBE_MAX_TRIES = 1  # this process's probes escalate at once
+    standin.refunds.set_mode("5xx")
+    for n in range(3):
+        reported_lost(api, f"inv-{n}")
+        reconcile_invocation.run(f"inv-{n}")
+    perform_refund(standin, "k-inv-0")
+    perform_refund(standin, "k-inv-1")
+    assert {status_of(f"inv-{n}") for n in range(3)} == {"escalated"}
+    assert Invocation.objects.filter(cause="probe_inconclusive").count() == 3
+    standin.refunds.set_mode("normal")
+    workers.start()
+
+    answer = person("olga", "operator").post("/queue/probes", {"capability": "refund.create"})
+
+    assert answer.status_code == 302
+    wait_for(lambda: all(status_of(f"inv-{n}") != "escalated" for n in range(3)))
+    wait_for(lambda: not Invocation.objects.filter(status="reconciling").exists())
+    assert [status_of(f"inv-{n}") for n in range(3)] == ["succeeded", "succeeded", "retry_allowed"]
+    for invocation in Invocation.objects.all():
+        events = list(invocation.events.order_by("seq").values_list("kind", "actor"))
+        # Asked once, by olga; claimed and probed once, by the worker.
+        assert events[-3:][0] == ("probe_requested", "user:olga"), events
+        assert [kind for kind, _ in events[-2:]] == ["reconciliation_claimed", "probe_run"]
+        assert [kind for kind, _ in events].count("probe_requested") == 1
+    assert standin.refunds.count() == 2
