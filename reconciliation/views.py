@@ -147,8 +147,23 @@ def probes_to_offer(form: QueueFilterForm, user: Any) -> dict[str, Any] | None:
     capability = Capability.objects.filter(scope=scope).first()
     if capability is None or not capability.has_probe:
         return None
-    waiting = services.escalated_a_probe_could_settle(capability).count()
+    waiting = waiting_for_its_probe(capability)
     return {"capability": scope, "waiting": waiting} if waiting else None
+
+
+# Counted to here and no further: a queue page filtered by a capability escalated by
+# the hundred thousand after an outage must still cost a page.
+PROBES_COUNTED = 1000
+
+
+def waiting_for_its_probe(capability: Capability) -> str:
+    """How many escalated invocations its probe could settle, as a page says it ("3
+    escalated invocations"); empty if none."""
+    rows = services.escalated_a_probe_could_settle(capability)
+    n = rows[: PROBES_COUNTED + 1].count()
+    if n > PROBES_COUNTED:
+        return f"{PROBES_COUNTED:,} or more escalated invocations"
+    return f"{n} escalated invocation{pluralize(n)}" if n else ""
 
 
 @require_GET
@@ -191,7 +206,7 @@ def request_probes(request: HttpRequest) -> HttpResponse:
     if capability is None or not capability.has_probe:
         messages.error(request, f"{scope or 'No capability'} has no probe to run.")
         return back
-    waiting = services.escalated_a_probe_could_settle(capability).count()
+    waiting = waiting_for_its_probe(capability)
     if not waiting:
         messages.error(request, f"No escalated invocation of {scope} waits for its probe.")
         return back
@@ -207,7 +222,7 @@ def request_probes(request: HttpRequest) -> HttpResponse:
         return back
     messages.success(
         request,
-        f"Probes requested for the {waiting} escalated invocation{pluralize(waiting)} of "
+        f"Probes requested for the {waiting} of "
         f"{scope} that its probe could settle: each records your request, and the queue "
         "shows what they find.",
     )

@@ -26,6 +26,7 @@ from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
+from reconciliation import views
 from reconciliation.forms import QueueFilterForm
 from reconciliation.services import invocation_assign
 from reconciliation.standin import StandInService
@@ -1227,3 +1228,13 @@ def test_probes_the_broker_cannot_take_are_reported_and_nothing_recorded(
     assert answer.status_code == 200
     assert "The probes are not queued: the task broker is unreachable." in answer.content.decode()
     assert Event.objects.count() == events
+
+
+def test_the_escalated_a_probe_could_settle_are_counted_so_far_only(
+    escalated_for_want_of_a_probe: None, operator: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an outage a capability's escalations run to the hundred thousand: the
+    queue's page says "or more" rather than count them all."""
+    monkeypatch.setattr(views, "PROBES_COUNTED", 1)
+    page = operator.get("/", {"capability": "refund.create"}).content.decode()
+    assert "1 or more escalated invocations of refund.create that nobody is on" in page
