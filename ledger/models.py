@@ -224,6 +224,11 @@ RISK_FIRST = Case(
 QUEUE_ORDER = (RISK_FIRST, F("flagged_at"), F("id"))
 FLAGGED_STATUSES = sorted(s.value for s in policy.NEEDS_RECONCILIATION)
 IS_FLAGGED = Q(status__in=FLAGGED_STATUSES)
+# Escalated for want of a probe, or because the probe could not tell, and nobody on it:
+# what a probe added since, or answering again, may settle. (A conflict of evidence or a
+# shared reference is a person's to decide, whatever a probe finds.)
+PROBE_COULD_SETTLE = (policy.Cause.NO_PROBE.value, policy.Cause.PROBE_INCONCLUSIVE.value)
+AWAITS_A_PROBE = Q(status=policy.Status.ESCALATED.value, cause__in=PROBE_COULD_SETTLE, assignee="")
 
 
 class Row(models.Func):
@@ -407,6 +412,11 @@ class Invocation(models.Model):
                 )
                 for flag in policy.Flag
             ],
+            # The escalations a capability's probe could settle, which the queue offers
+            # to re-run: after an outage, a few of a capability's thousands of flagged.
+            models.Index(
+                fields=["capability"], condition=AWAITS_A_PROBE, name="invocation_awaits_probe"
+            ),
             # The sweeper: in-flight attempts past their deadline. Partial, so its cost
             # follows the number of in-flight invocations, not the table.
             models.Index(

@@ -17,7 +17,13 @@ from django.utils import timezone
 
 from ledger import policy
 from ledger.audit import invocations_naming
-from ledger.models import Capability, Invocation, InvocationQuerySet
+from ledger.models import (
+    AWAITS_A_PROBE,
+    PROBE_COULD_SETTLE,
+    Capability,
+    Invocation,
+    InvocationQuerySet,
+)
 from ledger.services import (
     LedgerError,
     invocation_transition,
@@ -57,23 +63,11 @@ def probe_requested(*, invocation_id: str, actor: str, queued: bool) -> None:
     )
 
 
-# What a probe added since, or answering again, may settle: an invocation escalated for
-# want of a probe, or because its probe could not tell. (A conflict of evidence or a
-# shared reference is a person's to decide, whatever a probe finds.)
-A_PROBE_COULD_SETTLE = (policy.Cause.NO_PROBE, policy.Cause.PROBE_INCONCLUSIVE)
-
-
 def escalated_a_probe_could_settle(capability: Capability) -> InvocationQuerySet:
     """The capability's escalated invocations that its probe could settle now, but
-    those a person is on. (Those recorded before it was declared have no capability:
-    people decide them.) Read through `invocation_queue_by_capability`."""
-    return Invocation.objects.filter(
-        status=policy.Status.ESCALATED,
-        capability_scope=capability.scope,
-        capability=capability,
-        cause__in=A_PROBE_COULD_SETTLE,
-        assignee="",
-    )
+    those a person is on (`AWAITS_A_PROBE`, through its index). Those recorded before
+    it was declared have no capability: people decide them."""
+    return Invocation.objects.filter(AWAITS_A_PROBE, capability=capability)
 
 
 def probes_requested(
@@ -83,9 +77,8 @@ def probes_requested(
     settle: recorded on each that still waits for it, state unchanged; returns those."""
 
     def change(invocation: Invocation) -> dict[str, Any] | None:
-        if invocation.status != policy.Status.ESCALATED or invocation.assignee:
-            return None
-        if invocation.cause not in A_PROBE_COULD_SETTLE:
+        waits = invocation.status == policy.Status.ESCALATED and not invocation.assignee
+        if not waits or invocation.cause not in PROBE_COULD_SETTLE:
             return None
         return {"status": invocation.status, "queued": True, "every_of": capability.scope}
 

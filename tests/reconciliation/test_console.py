@@ -1238,3 +1238,16 @@ def test_the_escalated_a_probe_could_settle_are_counted_so_far_only(
     monkeypatch.setattr(views, "PROBES_COUNTED", 1)
     page = operator.get("/", {"capability": "refund.create"}).content.decode()
     assert "1 or more escalated invocations of refund.create that nobody is on" in page
+
+
+def test_the_offer_reads_only_the_escalations_a_probe_could_settle(
+    escalated_for_want_of_a_probe: None, api: Api, refund: Capability
+) -> None:
+    """From their own index: the capability's other flagged invocations, as many as an
+    outage leaves, are not read to count them."""
+    for n in range(6):
+        reported_lost(api, f"inv-waiting-{n}")  # reconciliation_required, never probed
+
+    waiting, rows_read = invocation_rows_read(lambda: views.waiting_for_its_probe(refund))
+
+    assert (waiting, rows_read) == ("2 escalated invocations", 2)
