@@ -9,6 +9,7 @@ from typing import Any
 
 from django.db import transaction
 from django.db.models import Count, Max, QuerySet
+from django.template.defaultfilters import pluralize
 
 from ledger import acc
 from ledger.chain import digest
@@ -187,6 +188,20 @@ def called_undeclared(since: dt.datetime) -> list[dict[str, Any]]:
         )
     )
     return [row | {"declared_since": row["capability_scope"] in declared_since} for row in rows]
+
+
+# Counted to here and no further: a page about a capability escalated by the hundred
+# thousand after an outage must still cost a page.
+PROBES_COUNTED = 1000
+
+
+def awaiting_its_probe(capability: Capability) -> str:
+    """How many of its escalated invocations its probe could settle now, as a page says
+    it ("3 escalated invocations"); empty if none."""
+    n, more = Invocation.objects.awaiting_probe_of(capability).counted_up_to(PROBES_COUNTED)
+    if more:
+        return f"{n:,} or more escalated invocations"
+    return f"{n} escalated invocation{pluralize(n)}" if n else ""
 
 
 def capability_history(scope: str) -> QuerySet[AdminAction]:

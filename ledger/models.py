@@ -256,6 +256,17 @@ class InvocationQuerySet(models.QuerySet["Invocation"]):
     def flagged(self) -> InvocationQuerySet:
         return self.filter(IS_FLAGGED)
 
+    def awaiting_probe_of(self, capability: Capability) -> InvocationQuerySet:
+        """The capability's escalations its probe could settle now (`AWAITS_A_PROBE`,
+        through its index). Those recorded before it was declared have no capability:
+        people decide them."""
+        return self.filter(AWAITS_A_PROBE, capability=capability)
+
+    def counted_up_to(self, limit: int) -> tuple[int, bool]:
+        """How many, counting no further than `limit`; and whether there are more."""
+        n = self[: limit + 1].count()
+        return min(n, limit), n > limit
+
     def overdue(self, now: datetime) -> InvocationQuerySet:
         return self.filter(status=policy.Status.IN_FLIGHT, deadline_at__lte=now)
 

@@ -33,7 +33,7 @@ from ledger.audit import (
     page_cursor,
     search,
 )
-from ledger.capabilities import called_undeclared, capability_history
+from ledger.capabilities import awaiting_its_probe, called_undeclared, capability_history
 from ledger.integrity import (
     CAPABILITY_ADVICE,
     UNEXPLAINED_HISTORY_ADVICE,
@@ -262,6 +262,7 @@ def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
         "history": capability_history(scope),
         "declarations": capability.declarations.order_by("-version"),
         "rate_watch": RateWatch.objects.filter(scope=scope).first(),
+        "awaiting_probe": awaiting_its_probe(capability) if capability.has_probe else "",
         "defaults": {
             "timeout_ms": settings.LEDGER_DEFAULT_TIMEOUT_MS,
             "grace_ms": settings.LEDGER_DEFAULT_GRACE_MS,

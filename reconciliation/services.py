@@ -17,13 +17,7 @@ from django.utils import timezone
 
 from ledger import policy
 from ledger.audit import invocations_naming
-from ledger.models import (
-    AWAITS_A_PROBE,
-    PROBE_COULD_SETTLE,
-    Capability,
-    Invocation,
-    InvocationQuerySet,
-)
+from ledger.models import PROBE_COULD_SETTLE, Capability, Invocation
 from ledger.services import (
     LedgerError,
     invocation_transition,
@@ -61,13 +55,6 @@ def probe_requested(*, invocation_id: str, actor: str, queued: bool) -> None:
         kind="probe_requested",
         change=lambda invocation: {"status": invocation.status, "queued": queued},
     )
-
-
-def escalated_a_probe_could_settle(capability: Capability) -> InvocationQuerySet:
-    """The capability's escalated invocations that its probe could settle now, but
-    those a person is on (`AWAITS_A_PROBE`, through its index). Those recorded before
-    it was declared have no capability: people decide them."""
-    return Invocation.objects.filter(AWAITS_A_PROBE, capability=capability)
 
 
 def probes_requested(

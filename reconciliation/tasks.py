@@ -10,7 +10,7 @@ import socket
 
 from celery import shared_task
 
-from ledger.models import Capability
+from ledger.models import Capability, Invocation
 from ledger.services import LedgerError
 from reconciliation import probes, services, sweeper
 
@@ -79,7 +79,7 @@ def request_probes(scope: str, actor: str) -> int:
         log.warning("probes not requested capability=%s: it has no probe", scope)
         return 0
     waiting = list(
-        services.escalated_a_probe_could_settle(capability).values_list("invocation_id", flat=True)
+        Invocation.objects.awaiting_probe_of(capability).values_list("invocation_id", flat=True)
     )
     requested = 0
     for start in range(0, len(waiting), REQUEST_BATCH):

@@ -19,7 +19,6 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Min, Value
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
-from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
@@ -27,6 +26,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 from ledger import chain, policy
 from ledger.audit import invocations_naming
+from ledger.capabilities import awaiting_its_probe
 from ledger.integrity import restore_projection
 from ledger.metrics import background_work, probe_run_counts, probe_runs_per_capability
 from ledger.models import (
@@ -147,23 +147,8 @@ def probes_to_offer(form: QueueFilterForm, user: Any) -> dict[str, Any] | None:
     capability = Capability.objects.filter(scope=scope).first()
     if capability is None or not capability.has_probe:
         return None
-    waiting = waiting_for_its_probe(capability)
+    waiting = awaiting_its_probe(capability)
     return {"capability": scope, "waiting": waiting} if waiting else None
-
-
-# Counted to here and no further: a queue page filtered by a capability escalated by
-# the hundred thousand after an outage must still cost a page.
-PROBES_COUNTED = 1000
-
-
-def waiting_for_its_probe(capability: Capability) -> str:
-    """How many escalated invocations its probe could settle, as a page says it ("3
-    escalated invocations"); empty if none."""
-    rows = services.escalated_a_probe_could_settle(capability)
-    n = rows[: PROBES_COUNTED + 1].count()
-    if n > PROBES_COUNTED:
-        return f"{PROBES_COUNTED:,} or more escalated invocations"
-    return f"{n} escalated invocation{pluralize(n)}" if n else ""
 
 
 @require_GET
@@ -206,7 +191,7 @@ def request_probes(request: HttpRequest) -> HttpResponse:
     if capability is None or not capability.has_probe:
         messages.error(request, f"{scope or 'No capability'} has no probe to run.")
         return back
-    waiting = waiting_for_its_probe(capability)
+    waiting = awaiting_its_probe(capability)
     if not waiting:
         messages.error(request, f"No escalated invocation of {scope} waits for its probe.")
         return back

@@ -19,7 +19,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from ledger import metrics
+from ledger import capabilities, metrics
 from ledger.capabilities import capability_settings_change
 from ledger.integrity import seal_events, verify_next_slice
 from ledger.models import Capability, Event, Invocation
@@ -287,7 +287,6 @@ def queue_page(operator: Client, query: str = "", **headers: str) -> tuple[list[
 def test_the_queue_pages_riskiest_first_and_never_cuts_a_risky_one_off(
     api: Api, refund: Capability, operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from reconciliation import views
 
     monkeypatch.setattr(views, "QUEUE_PAGE", 3)
     Capability.objects.create(scope="note.add", risk_level="low")
@@ -374,7 +373,6 @@ def test_a_deep_queue_page_reads_a_page(
     """The next page starts where the last ended in invocation_queue_order itself, ties
     and all, so the fourth page reads the fourth page's rows, not the three before it
     again."""
-    from reconciliation import views
 
     monkeypatch.setattr(views, "QUEUE_PAGE", 3)
     Capability.objects.create(scope="note.add", risk_level="low")
@@ -402,7 +400,6 @@ def test_a_deep_queue_page_reads_a_page(
 def rows_read_for(query: str, user: str) -> tuple[list[str], int]:
     """The invocations the queue's first page lists for `query`, and the invocation
     rows PostgreSQL read for it."""
-    from reconciliation import views
 
     form, person = QueueFilterForm(QueryDict(query)), User.objects.get(username=user)
     rows, fetched = invocation_rows_read(lambda: views.queue_rows(form, person))
@@ -1173,6 +1170,9 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
 ) -> None:
     page = operator.get("/", {"capability": "refund.create"}).content.decode()
     assert "2 escalated invocations of refund.create that nobody is on" in page
+    its_page = compliance.get("/audit/capabilities/refund.create/").content.decode()
+    assert "2 escalated invocations that nobody is on could be settled by it now" in its_page
+    assert 'href="/?capability=refund.create">re-run their probes from the queue' in its_page
     assert (
         "Re-run their probes" not in compliance.get("/?capability=refund.create").content.decode()
     )
@@ -1194,6 +1194,8 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     assert status_of("inv-a") == "succeeded" and status_of("inv-b") == "retry_allowed"
     assert status_of("inv-c") == "escalated"
     assert "Re-run their probes" not in operator.get("/?capability=refund.create").content.decode()
+    its_page = compliance.get("/audit/capabilities/refund.create/").content.decode()
+    assert "could be settled by it now" not in its_page
 
 
 def test_probes_are_not_rerun_for_whom_none_may_settle(
@@ -1235,7 +1237,7 @@ def test_the_escalated_a_probe_could_settle_are_counted_so_far_only(
 ) -> None:
     """After an outage a capability's escalations run to the hundred thousand: the
     queue's page says "or more" rather than count them all."""
-    monkeypatch.setattr(views, "PROBES_COUNTED", 1)
+    monkeypatch.setattr(capabilities, "PROBES_COUNTED", 1)
     page = operator.get("/", {"capability": "refund.create"}).content.decode()
     assert "1 or more escalated invocations of refund.create that nobody is on" in page
 
@@ -1248,6 +1250,6 @@ def test_the_offer_reads_only_the_escalations_a_probe_could_settle(
     for n in range(6):
         reported_lost(api, f"inv-waiting-{n}")  # reconciliation_required, never probed
 
-    waiting, rows_read = invocation_rows_read(lambda: views.waiting_for_its_probe(refund))
+    waiting, rows_read = invocation_rows_read(lambda: capabilities.awaiting_its_probe(refund))
 
     assert (waiting, rows_read) == ("2 escalated invocations", 2)
