@@ -258,9 +258,8 @@ class InvocationQuerySet(models.QuerySet["Invocation"]):
 
     def awaiting_probe_of(self, capability: Capability) -> InvocationQuerySet:
         """The capability's escalations its probe could settle now (`AWAITS_A_PROBE`,
-        through its index). Those recorded before it was declared have no capability:
-        people decide them."""
-        return self.filter(AWAITS_A_PROBE, capability=capability)
+        through its index), those recorded before it was declared too (`probed_by`)."""
+        return self.filter(AWAITS_A_PROBE, capability_scope=capability.scope)
 
     def counted_up_to(self, limit: int) -> tuple[int, bool]:
         """How many, counting no further than `limit`; and whether there are more."""
@@ -426,7 +425,9 @@ class Invocation(models.Model):
             # The escalations a capability's probe could settle, which the queue offers
             # to re-run: after an outage, a few of a capability's thousands of flagged.
             models.Index(
-                fields=["capability"], condition=AWAITS_A_PROBE, name="invocation_awaits_probe"
+                fields=["capability_scope"],
+                condition=AWAITS_A_PROBE,
+                name="invocation_awaits_probe",
             ),
             # The sweeper: in-flight attempts past their deadline. Partial, so its cost
             # follows the number of in-flight invocations, not the table.
@@ -479,6 +480,15 @@ class Invocation(models.Model):
 
     def __str__(self) -> str:
         return self.invocation_id
+
+    def probed_by(self) -> Capability | None:
+        """The capability whose probe reconciles it: the one it was recorded under or,
+        recorded undeclared, the one declared under its scope since. A probe only asks,
+        by the idempotency key the runtime gave; the invocation keeps the conservative
+        hints it was recorded with."""
+        if self.capability_id is not None:
+            return self.capability
+        return Capability.objects.filter(scope=self.capability_scope).first()
 
     def hints(self) -> policy.Hints:
         return policy.Hints(

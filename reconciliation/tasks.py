@@ -43,8 +43,9 @@ def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
         return f"refused: {error.type}"
     if invocation is None:
         return "not claimed"
-    # The claim loaded the invocation with its capability: no further queries.
-    capability = invocation.capability if invocation.capability_id else None  # type: ignore[attr-defined]
+    # The claim loaded the invocation with its capability: no further query, but for
+    # one recorded undeclared.
+    capability = invocation.probed_by()
     config = capability.probe if capability else {}
     try:
         result = probes.run(config, invocation)

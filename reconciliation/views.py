@@ -337,8 +337,10 @@ def _invocation(invocation_id: str) -> Invocation:
 
 def has_probe(invocation: Invocation) -> bool:
     """Whether its capability names a probe now (the reconcile task reads it when it
-    runs); an undeclared capability has none, and people decide."""
-    return invocation.capability is not None and invocation.capability.has_probe
+    runs): the one it was recorded under, or declared under its scope since. Without
+    one, people decide."""
+    capability = invocation.probed_by()
+    return capability is not None and capability.has_probe
 
 
 @require_GET

@@ -26,7 +26,7 @@ class Migration(migrations.Migration):
                     ("cause__in", ("no_probe", "probe_inconclusive")),
                     ("status", "escalated"),
                 ),
-                fields=["capability"],
+                fields=["capability_scope"],
                 name="invocation_awaits_probe",
             ),
         ),

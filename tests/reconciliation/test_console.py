@@ -1253,3 +1253,26 @@ def test_the_offer_reads_only_the_escalations_a_probe_could_settle(
     waiting, rows_read = invocation_rows_read(lambda: capabilities.awaiting_its_probe(refund))
 
     assert (waiting, rows_read) == ("2 escalated invocations", 2)
+
+
+def test_an_invocation_recorded_undeclared_is_probed_once_its_scope_has_a_probe(
+    api: Api, standin: StandInService, operator: Client, broker_queue: BrokerQueue
+) -> None:
+    """A runtime called payroll.update before anyone declared it, and lost the outcome:
+    people had it. Declared since with a probe, the probe asks for it too; the
+    invocation keeps the flag and the conservative hints it was recorded with."""
+    reported_lost(api, "inv-u", capability="payroll.update")
+    perform_refund(standin, "k-inv-u")
+    reconcile_invocation.run("inv-u")
+    assert Invocation.objects.get().cause == "no_probe"
+    registered("payroll.update", settings={"probe": standin.probe_config()})
+
+    queue = operator.get("/", {"capability": "payroll.update"}).content.decode()
+    assert "1 escalated invocation of payroll.update that nobody is on" in queue
+    assert "Re-run probe now" in operator.get("/invocations/inv-u/").content.decode()
+    assert request_probes.run("payroll.update", "user:olga") == 1
+    reconcile_invocation.run("inv-u", force=True)
+
+    settled = Invocation.objects.get()
+    assert (settled.status, settled.flags) == ("succeeded", ["undeclared"])
+    assert settled.capability_id is None and settled.hint_readonly is False
