@@ -688,6 +688,8 @@ def test_the_dashboard_and_metrics_count_probe_findings_per_capability_no_probe_
     reported_lost(api, "inv-undeclared", capability="payroll.update")
     reconcile_invocation.run("inv-undeclared")
 
+    flagged = dashboard_card(operator, "flagged")
+    assert '<a href="/?capability=payroll.update">payroll.update</a>' in flagged
     card = dashboard_card(operator, "probes")
     rows = [
         re.sub(r"<[^>]+>", " ", row).split()
