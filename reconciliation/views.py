@@ -58,8 +58,7 @@ from reconciliation.forms import (
     ResolveForm,
     RestoreForm,
 )
-from reconciliation.tasks import reconcile_invocation
-from reconciliation.tasks import request_probes as request_probes_task
+from reconciliation.tasks import reconcile_invocation, request_probes
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ def queue(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @role_required(*ACTORS)
-def request_probes(request: HttpRequest) -> HttpResponse:
+def rerun_probes(request: HttpRequest) -> HttpResponse:
     """Re-run the probe of every escalated invocation of a capability that it could
     settle (after the probe was added, or the business system is back). A worker
     records each as this person's request and queues its job: thousands are too many
@@ -196,7 +195,7 @@ def request_probes(request: HttpRequest) -> HttpResponse:
         messages.error(request, f"No escalated invocation of {scope} waits for its probe.")
         return back
     try:
-        request_probes_task.delay(scope, actor(request))
+        request_probes.delay(scope, actor(request))
     except KombuOperationalError as exc:
         log.warning("probes not queued capability=%s error=%s", scope, exc)
         messages.error(
