@@ -177,6 +177,9 @@ def queue(request: HttpRequest) -> HttpResponse:
     return render(request, fragment(request, "reconciliation/queue.html", "queue-rows"), context)
 
 
+PROBES_REQUESTED_SECONDS = 60
+
+
 @require_POST
 @role_required(*ACTORS)
 def rerun_probes(request: HttpRequest) -> HttpResponse:
@@ -194,10 +197,18 @@ def rerun_probes(request: HttpRequest) -> HttpResponse:
     if not waiting:
         messages.error(request, f"No escalated invocation of {scope} waits for its probe.")
         return back
+    # One request a capability at a time, whoever clicks: a second, before the worker
+    # has claimed the first's invocations, would record each request twice.
+    requested = f"probes-requested:{scope}"
+    if not cache.add(requested, actor(request), PROBES_REQUESTED_SECONDS):
+        by = cache.get(requested) or "someone"
+        messages.error(request, f"{by} asked for these probes a moment ago; they are queued.")
+        return back
     try:
         request_probes.delay(scope, actor(request))
     except KombuOperationalError as exc:
         log.warning("probes not queued capability=%s error=%s", scope, exc)
+        cache.delete(requested)
         messages.error(
             request,
             "The probes are not queued: the task broker is unreachable. Nothing was "

@@ -1187,6 +1187,11 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     )
     assert answer.redirect_chain[-1][0] == "/?capability=refund.create"
     assert broker_queue.jobs() == 1  # the request: a worker records and queues each probe
+    again = person("petra", "operator").post(
+        "/queue/probes", {"capability": "refund.create"}, follow=True
+    )
+    assert "user:olga asked for these probes a moment ago" in again.content.decode()
+    assert broker_queue.jobs() == 1
     assert request_probes.run("refund.create", "user:olga") == 2
     assert broker_queue.jobs() == 3
     assert probe_requests("inv-a") == probe_requests("inv-b") == [("user:olga", "refund.create")]
