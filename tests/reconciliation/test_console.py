@@ -1196,6 +1196,8 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     assert broker_queue.jobs() == 3
     assert probe_requests("inv-a") == probe_requests("inv-b") == [("user:olga", "refund.create")]
     assert probe_requests("inv-c") == []  # petra is on it
+    timeline = operator.get("/invocations/inv-a/").content.decode()
+    assert "(with every escalation of refund.create its probe could settle)" in timeline
     for invocation_id in ("inv-a", "inv-b"):
         reconcile_invocation.run(invocation_id, force=True)
     assert status_of("inv-a") == "succeeded" and status_of("inv-b") == "retry_allowed"
