@@ -189,9 +189,12 @@ def rerun_probes(request: HttpRequest) -> HttpResponse:
     for one request."""
     scope = request.POST.get("capability", "")
     back = redirect(f"{reverse('console:queue')}?{urlencode({'capability': scope})}")
+    if not scope:
+        messages.error(request, "Name the capability whose probes should run again.")
+        return back
     capability = Capability.objects.filter(scope=scope).first()
     if capability is None or not capability.has_probe:
-        messages.error(request, f"{scope or 'No capability'} has no probe to run.")
+        messages.error(request, f"{scope} has no probe to run.")
         return back
     waiting = awaiting_its_probe(capability)
     if not waiting:

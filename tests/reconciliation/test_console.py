@@ -287,7 +287,6 @@ def queue_page(operator: Client, query: str = "", **headers: str) -> tuple[list[
 def test_the_queue_pages_riskiest_first_and_never_cuts_a_risky_one_off(
     api: Api, refund: Capability, operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-
     monkeypatch.setattr(views, "QUEUE_PAGE", 3)
     Capability.objects.create(scope="note.add", risk_level="low")
     items = [
@@ -373,7 +372,6 @@ def test_a_deep_queue_page_reads_a_page(
     """The next page starts where the last ended in invocation_queue_order itself, ties
     and all, so the fourth page reads the fourth page's rows, not the three before it
     again."""
-
     monkeypatch.setattr(views, "QUEUE_PAGE", 3)
     Capability.objects.create(scope="note.add", risk_level="low")
     notes_in_flight(api, 14)
@@ -400,7 +398,6 @@ def test_a_deep_queue_page_reads_a_page(
 def rows_read_for(query: str, user: str) -> tuple[list[str], int]:
     """The invocations the queue's first page lists for `query`, and the invocation
     rows PostgreSQL read for it."""
-
     form, person = QueueFilterForm(QueryDict(query)), User.objects.get(username=user)
     rows, fetched = invocation_rows_read(lambda: views.queue_rows(form, person))
     return [row.invocation_id for row in rows], fetched
@@ -1223,7 +1220,7 @@ def test_probes_are_not_rerun_for_whom_none_may_settle(
     for scope, said in (
         ("payroll.update", "payroll.update has no probe to run."),
         ("nothing.here", "nothing.here has no probe to run."),
-        ("", "No capability has no probe to run."),
+        ("", "Name the capability whose probes should run again."),
     ):
         answer = operator.post("/queue/probes", {"capability": scope}, follow=True)
         assert said in answer.content.decode(), scope
