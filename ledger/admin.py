@@ -1,18 +1,21 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
-from django.urls import URLPattern, path
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
 
 from ledger import acc
 from ledger.capabilities import (
     DECLARED_FIELDS,
     SETTINGS,
+    awaiting_its_probe,
     capabilities_import,
     capability_settings_change,
 )
@@ -75,6 +78,20 @@ class CapabilityAdmin(admin.ModelAdmin):
             reason=form.cleaned_data["reason"],
             **{name: form.cleaned_data[name] for name in SETTINGS},
         )
+        obj.refresh_from_db()
+        if obj.has_probe and (waiting := awaiting_its_probe(obj)):
+            queue = f"{reverse('console:queue')}?{urlencode({'capability': obj.scope})}"
+            self.message_user(
+                request,
+                format_html(
+                    '{} of {} that nobody is on could be settled by its probe now: <a href="{}">'
+                    "re-run their probes from the queue</a>.",
+                    waiting,
+                    obj.scope,
+                    queue,
+                ),
+                messages.WARNING,
+            )
 
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view(self.import_view)

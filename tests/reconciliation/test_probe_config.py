@@ -11,7 +11,8 @@ from django.test import Client
 
 from ledger.probe_config import problems
 from reconciliation.standin import StandInService
-from tests.conftest import registered
+from reconciliation.tasks import reconcile_invocation
+from tests.conftest import Api, registered
 
 README_EXAMPLE = {
     "kind": "http",
@@ -122,3 +123,28 @@ def test_the_admin_refuses_a_malformed_probe_and_saves_nothing(admin_client: Cli
     assert response.status_code == 302, response.content.decode()[:2000]
     capability.refresh_from_db()
     assert capability.probe["absent"] == {"status": 404}
+
+
+def test_the_admin_points_at_the_escalations_a_new_probe_could_settle(
+    api: Api, admin_client: Client
+) -> None:
+    capability = registered("refund.create", risk_level="high")
+    api.intent(attempt_id="a1")
+    api.outcome("inv-1", "a1", kind="post_dispatch_evidence_failed")
+    reconcile_invocation.run("inv-1")  # no probe yet: escalated
+    form = {
+        "idempotency_verified": "", "max_attempts": 5, "grace_ms": 60000, "redact_paths": "",
+        "probe": json.dumps({"kind": "http", "url": "https://pay.example/r?k={idempotency_key}",
+                             "absent": {"status": 404}}),
+        "reason": "payments can be asked now",
+        "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
+    }  # fmt: skip
+
+    response = admin_client.post(
+        f"/admin/ledger/capability/{capability.pk}/change/", form, follow=True
+    )
+
+    assert (
+        "1 escalated invocation of refund.create that nobody is on could be settled by its "
+        'probe now: <a href="/?capability=refund.create">re-run their probes from the queue</a>'
+    ) in response.content.decode()
