@@ -147,7 +147,18 @@ def probes_to_offer(form: QueueFilterForm, user: Any) -> dict[str, Any] | None:
     if capability is None or not capability.has_probe:
         return None
     waiting = awaiting_its_probe(capability)
-    return {"capability": scope, "waiting": waiting} if waiting else None
+    if not waiting:
+        return None
+    return {
+        "capability": scope,
+        "waiting": waiting,
+        "requested_by": cache.get(probes_requested_key(scope)),
+    }
+
+
+def probes_requested_key(scope: str) -> str:
+    """The shared cache's key for a request to re-run a capability's probes."""
+    return f"probes-requested:{scope}"
 
 
 @require_GET
@@ -202,16 +213,15 @@ def rerun_probes(request: HttpRequest) -> HttpResponse:
         return back
     # One request a capability at a time, whoever clicks: a second, before the worker
     # has claimed the first's invocations, would record each request twice.
-    requested = f"probes-requested:{scope}"
-    if not cache.add(requested, actor(request), PROBES_REQUESTED_SECONDS):
-        by = cache.get(requested) or "someone"
+    if not cache.add(probes_requested_key(scope), actor(request), PROBES_REQUESTED_SECONDS):
+        by = cache.get(probes_requested_key(scope)) or "someone"
         messages.error(request, f"{by} asked for these probes a moment ago; they are queued.")
         return back
     try:
         request_probes.delay(scope, actor(request))
     except KombuOperationalError as exc:
         log.warning("probes not queued capability=%s error=%s", scope, exc)
-        cache.delete(requested)
+        cache.delete(probes_requested_key(scope))
         messages.error(
             request,
             "The probes are not queued: the task broker is unreachable. Nothing was "

@@ -1189,6 +1189,9 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     )
     assert "user:olga asked for these probes a moment ago" in again.content.decode()
     assert broker_queue.jobs() == 1
+    offer = operator.get("/", {"capability": "refund.create"}).content.decode()
+    assert "user:olga asked for their probes a moment ago." in offer
+    assert "Re-run their probes" not in offer
     assert request_probes.run("refund.create", "user:olga") == 2
     assert broker_queue.jobs() == 3
     assert probe_requests("inv-a") == probe_requests("inv-b") == [("user:olga", "refund.create")]
