@@ -1198,6 +1198,8 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     assert probe_requests("inv-c") == []  # petra is on it
     timeline = operator.get("/invocations/inv-a/").content.decode()
     assert "(with every escalation of refund.create its probe could settle)" in timeline
+    action_log = compliance.get("/audit/actions/").content.decode()
+    assert action_log.count("with every escalation of refund.create its probe could") == 2
     for invocation_id in ("inv-a", "inv-b"):
         reconcile_invocation.run(invocation_id, force=True)
     assert status_of("inv-a") == "succeeded" and status_of("inv-b") == "retry_allowed"
