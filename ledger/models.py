@@ -425,7 +425,7 @@ class Invocation(models.Model):
             # The escalations a capability's probe could settle, which the queue offers
             # to re-run: after an outage, a few of a capability's thousands of flagged.
             models.Index(
-                fields=["capability_scope"],
+                fields=["capability_scope", "id"],
                 condition=AWAITS_A_PROBE,
                 name="invocation_awaits_probe",
             ),

@@ -63,33 +63,43 @@ def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
     return "recorded"
 
 
-# Invocations recorded per statement pair (ledger.services.invocation_transitions).
+# Invocations a run of request_probes records (in one statement pair, through
+# ledger.services.invocation_transitions) before it queues the next run.
 REQUEST_BATCH = 200
 
 
 @shared_task(acks_late=True, ignore_result=True)
-def request_probes(scope: str, actor: str) -> int:
+def request_probes(scope: str, actor: str, after: int = 0) -> int:
     """An operator's "re-run the probes" for a capability, after its probe was added or
     the business system it asks is back: each escalated invocation the probe could
     settle gets the operator's probe_requested event, then a job that claims it.
 
-    A message delivered twice asks again for those escalated again meanwhile: probes
-    are read-only, so that repeats a question, never an effect."""
+    A batch a run, each run queuing the next: a worker is held for a batch at a time,
+    the probes of one batch run while the next is recorded, and a worker lost mid-way
+    leaves one batch to deliver again, not the whole capability. A batch delivered
+    twice asks again only for those escalated again meanwhile: probes are read-only, so
+    that repeats a question, never an effect."""
     capability = Capability.objects.filter(scope=scope).first()
     if capability is None or not capability.has_probe:
         log.warning("probes not requested capability=%s: it has no probe", scope)
         return 0
-    waiting = list(
-        Invocation.objects.awaiting_probe_of(capability).values_list("invocation_id", flat=True)
+    batch = list(
+        Invocation.objects.awaiting_probe_of(capability)
+        .filter(pk__gt=after)
+        .order_by("pk")
+        .values_list("pk", "invocation_id")[:REQUEST_BATCH]
     )
-    requested = 0
-    for start in range(0, len(waiting), REQUEST_BATCH):
-        for invocation_id in services.probes_requested(
-            capability=capability,
-            invocation_ids=waiting[start : start + REQUEST_BATCH],
-            actor=actor,
-        ):
-            reconcile_invocation.delay(invocation_id, force=True)
-            requested += 1
-    log.info("probes requested capability=%s invocations=%d actor=%s", scope, requested, actor)
-    return requested
+    requested = services.probes_requested(
+        capability=capability,
+        invocation_ids=[invocation_id for _, invocation_id in batch],
+        actor=actor,
+    )
+    for invocation_id in requested:
+        reconcile_invocation.delay(invocation_id, force=True)
+    if len(batch) == REQUEST_BATCH:
+        request_probes.delay(scope, actor, after=batch[-1][0])
+    log.info(
+        "probes requested capability=%s invocations=%d after=%d more=%s actor=%s",
+        scope, len(requested), after, len(batch) == REQUEST_BATCH, actor,
+    )  # fmt: skip
+    return len(requested)

@@ -26,7 +26,7 @@ class Migration(migrations.Migration):
                     ("cause__in", ("no_probe", "probe_inconclusive")),
                     ("status", "escalated"),
                 ),
-                fields=["capability_scope"],
+                fields=["capability_scope", "id"],
                 name="invocation_awaits_probe",
             ),
         ),

@@ -26,7 +26,7 @@ from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
-from reconciliation import views
+from reconciliation import tasks, views
 from reconciliation.forms import QueueFilterForm
 from reconciliation.services import invocation_assign
 from reconciliation.standin import StandInService
@@ -1287,3 +1287,21 @@ def test_an_invocation_recorded_undeclared_is_probed_once_its_scope_has_a_probe(
     settled = Invocation.objects.get()
     assert (settled.status, settled.flags) == ("succeeded", ["undeclared"])
     assert settled.capability_id is None and settled.hint_readonly is False
+
+
+def test_a_rerun_goes_a_batch_at_a_time_each_run_queuing_the_next(
+    escalated_for_want_of_a_probe: None, broker_queue: BrokerQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker is held for a batch, not for every escalation of a capability."""
+    monkeypatch.setattr(tasks, "REQUEST_BATCH", 1)
+    a, b = (Invocation.objects.get(invocation_id=i).pk for i in ("inv-a", "inv-b"))
+
+    assert request_probes.run("refund.create", "user:olga") == 1
+    assert broker_queue.jobs() == 2  # inv-a's probe, and the run for the rest
+    assert probe_requests("inv-a") == [("user:olga", "refund.create")]
+    assert probe_requests("inv-b") == []
+    assert request_probes.run("refund.create", "user:olga", after=a) == 1
+    assert broker_queue.jobs() == 4
+    assert request_probes.run("refund.create", "user:olga", after=b) == 0  # petra's inv-c
+    assert broker_queue.jobs() == 4
+    assert probe_requests("inv-b") == [("user:olga", "refund.create")]
