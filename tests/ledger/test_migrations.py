@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from typing import Any
 
 import psycopg
@@ -16,7 +15,7 @@ from django.db import connection, connections, migrations
 from django.db.migrations.executor import MigrationExecutor
 from django.db.migrations.loader import MigrationLoader
 
-from tests.conftest import Api
+from tests.conftest import Api, wait_for
 from tests.ledger.test_faults import admin_conninfo
 
 
@@ -102,10 +101,13 @@ def test_intents_are_recorded_while_a_migration_builds_an_invocation_index(api: 
         try:
             holder.execute("LOCK TABLE ledger_invocation IN ROW EXCLUSIVE MODE")  # a writer
             migrating.start()
-            deadline = time.monotonic() + 30
-            while not writer_waiting_for(onlooker):
-                assert time.monotonic() < deadline and migrating.is_alive(), failures
-                time.sleep(0.05)
+
+            def the_build_waits() -> bool:
+                """the index build waits for the writer's transaction"""
+                assert migrating.is_alive(), failures
+                return writer_waiting_for(onlooker) > 0
+
+            wait_for(the_build_waits)
             writing.start()
             writing.join(10)
             recorded_while_building = list(recorded)
