@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import transaction
@@ -413,7 +413,27 @@ class _Work:
             self.runtime.unconfirmed_token_id = None
 
 
-def event_body(event: Event | store.NewEvent, invocation_id: str) -> dict[str, Any]:
+class HashedEvent(Protocol):
+    """An event as its hash sees it: a model, a `store.NewEvent` or a row read to
+    verify it."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def actor(self) -> str: ...
+    @property
+    def data(self) -> dict[str, Any]: ...
+    @property
+    def created_at(self) -> dt.datetime: ...
+    @property
+    def prev_hash(self) -> str: ...
+    @property
+    def hash(self) -> str: ...
+
+
+def event_body(event: HashedEvent, invocation_id: str) -> dict[str, Any]:
     """What an event's hash covers: everything but its own hash."""
     return {
         "invocation_id": invocation_id,

@@ -15,6 +15,7 @@ from django.core.management import call_command
 from django.db import connection, transaction
 from django.db.utils import ProgrammingError
 
+from ledger import integrity
 from ledger.chain import GENESIS_HASH, event_hash
 from ledger.integrity import (
     CLEAN_PASSES_KEPT,
@@ -64,6 +65,26 @@ def test_a_pass_covers_the_ledger_as_it_was_when_it_started(ledger: Api) -> None
     following = whole_pass()
     assert following.pk != started.pk
     assert following.invocations == 5
+
+
+def test_an_event_appended_while_a_slice_reads_is_no_break(
+    ledger: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slice reads the chains, then their rows: an attempt admitted in between moves
+    a row past its chain as read. The slice compares that row with its chain read
+    again, not with the older one."""
+    read_chains = integrity._chains
+
+    def then_an_attempt_is_admitted(events: Any) -> Any:
+        yield from read_chains(events)
+        assert ledger.attempt("inv-4", "a1")[0] == 201
+
+    with monkeypatch.context() as patch:
+        patch.setattr(integrity, "_chains", then_an_attempt_is_admitted)
+        finished = whole_pass(slice_size=4)
+    assert said(finished) == []
+    assert (finished.invocations, finished.events) == (4, Event.objects.count())
+    assert Invocation.objects.get(invocation_id="inv-4").status == "in_flight"
 
 
 @pytest.mark.rewrites_history
