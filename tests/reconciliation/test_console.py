@@ -20,6 +20,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from ledger import capabilities, metrics
+from ledger import views as ledger_views
 from ledger.capabilities import capability_settings_change
 from ledger.integrity import seal_events, verify_next_slice
 from ledger.models import Capability, Event, Invocation
@@ -28,7 +29,7 @@ from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
 from reconciliation import tasks, views
 from reconciliation.forms import QueueFilterForm
-from reconciliation.services import invocation_assign
+from reconciliation.services import invocation_assign, probes_requested
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, request_probes
 from tests.conftest import Api, invocation_rows_read, person, process_env, registered
@@ -1199,7 +1200,8 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     timeline = operator.get("/invocations/inv-a/").content.decode()
     assert "(with every escalation of refund.create its probe could settle)" in timeline
     action_log = compliance.get("/audit/actions/").content.decode()
-    assert action_log.count("with every escalation of refund.create its probe could") == 2
+    assert action_log.count("with every escalation of refund.create its probe could") == 1
+    assert "2 invocations, " in action_log
     for invocation_id in ("inv-a", "inv-b"):
         reconcile_invocation.run(invocation_id, force=True)
     assert status_of("inv-a") == "succeeded" and status_of("inv-b") == "retry_allowed"
@@ -1207,6 +1209,55 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     assert "Re-run their probes" not in operator.get("/?capability=refund.create").content.decode()
     its_page = compliance.get("/audit/capabilities/refund.create/").content.decode()
     assert "could be settled by it now" not in its_page
+
+
+def test_the_action_log_gives_a_rerun_one_line_and_drops_no_action(
+    api: Api, refund: Capability, standin: StandInService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-run of a capability's probes acts on every escalation it could settle, each
+    with an event: the log says so once, not once for each, however many pages of
+    events it reads, and every other action keeps its line."""
+    for n in range(8):
+        reported_lost(api, f"inv-{n}")
+        reconcile_invocation.run(f"inv-{n}")
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="payments can be asked now",
+        probe=standin.probe_config(),
+    )  # fmt: skip
+    invocation_assign(invocation_id="inv-0", actor="user:olga", take=True)
+    invocation_assign(invocation_id="inv-0", actor="user:olga", take=False)
+    for batch in (["inv-1", "inv-2"], ["inv-3", "inv-4"], ["inv-5", "inv-6"]):
+        probes_requested(capability=refund, invocation_ids=batch, actor="user:olga")
+    invocation_assign(invocation_id="inv-7", actor="user:petra", take=True)
+
+    page = person("cora", "compliance").get("/audit/actions/").content.decode()
+    rows = re.findall(r"<tr><td>.*?</tr>", page, re.S)[:4]
+    cells = [re.findall(r"<td>(.*?)</td>", row, re.S) for row in rows]
+    assert [[re.sub(r"<[^>]+>", "", cell).split()[0] for cell in row[1:4]] for row in cells] == [
+        ["user:petra", "assigned", "inv-7"],
+        ["user:olga", "probe_requested", "6"],
+        ["user:olga", "unassigned", "inv-0"],
+        ["user:olga", "assigned", "inv-0"],
+    ]
+    assert "6 invocations, " in page and 'href="/invocations/inv-1/">inv-1</a> …' in page
+    assert "?operator=olga&amp;capability=refund.create" in page
+
+    people = Event.objects.filter(actor__startswith="user:").select_related("invocation")
+    total = people.count()
+    for read, per_page, lines in [(4, 8, 2), (2, 4, 5), (1, 3, 1)]:
+        monkeypatch.setattr(ledger_views, "ACTIONS_READ", read)
+        monkeypatch.setattr(ledger_views, "ACTIONS_READ_PER_PAGE", per_page)
+        seen, before, pages = [], None, 0
+        while True:
+            found, before = ledger_views.action_lines(people, before=before, lines=lines)
+            seen += [(line.newest.pk, line.oldest.pk, line.count) for line in found]
+            pages += 1
+            assert len(found) <= lines and pages < 20
+            if before is None:
+                break
+        assert sum(count for *_, count in seen) == total  # every event, on one line each
+        newest_first = [pk for newest, oldest, _ in seen for pk in (newest, oldest)]
+        assert newest_first == sorted(newest_first, reverse=True)
 
 
 def test_probes_are_not_rerun_for_whom_none_may_settle(
