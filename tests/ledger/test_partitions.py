@@ -322,6 +322,34 @@ def test_reads_that_know_an_invocations_month_read_no_other(
     assert Invocation.objects.get(invocation_id="inv-1").subject != "x"
 
 
+def test_verifying_a_range_reads_the_months_of_the_invocations_it_touches(
+    api: Api, refund: Capability
+) -> None:
+    """The events recorded in a range are of invocations of its months, or of earlier
+    ones (late evidence): their chains are read whole, from those months alone."""
+    create_event_partitions(since=dt.datetime(2025, 10, 1, tzinfo=dt.UTC))
+    with ledger_clock_at(dt.datetime(2025, 10, 15, tzinfo=dt.UTC)):
+        api.intent(invocation_id="inv-oct", idempotency_key="k-oct", attempt_id="a1")
+    with ledger_clock_at(dt.datetime(2025, 11, 15, tzinfo=dt.UTC)):
+        api.outcome("inv-oct", "a1", kind="succeeded")
+        api.intent(invocation_id="inv-nov", idempotency_key="k-nov", attempt_id="a1")
+    api.intent(invocation_id="inv-now", idempotency_key="k-now", attempt_id="a1")
+    api.outcome("inv-now", "a1", kind="succeeded")
+    report = None
+
+    def verify_november() -> None:
+        nonlocal report
+        report = verify(
+            since=dt.datetime(2025, 11, 1, tzinfo=dt.UTC),
+            until=dt.datetime(2025, 12, 1, tzinfo=dt.UTC),
+        )
+
+    assert events_fetched(month_partition(timezone.now()), verify_november) == 0
+    assert report is not None and report.ok, report
+    touched = Event.objects.filter(invocation__invocation_id__in=["inv-oct", "inv-nov"])
+    assert (report.invocations, report.events) == (2, touched.count())
+
+
 def test_an_audit_search_through_events_reads_only_the_months_of_its_time_range(
     api: Api, refund: Capability
 ) -> None:
