@@ -9,7 +9,7 @@ import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -18,7 +18,7 @@ from django.db import connection, transaction
 from django.db.models import Max, Min, Q, QuerySet
 from django.utils import timezone
 
-from ledger import capabilities, chain, policy
+from ledger import capabilities, chain, policy, store
 from ledger.models import (
     RECORDED_AT_INTENT,
     AdminAction,
@@ -32,7 +32,6 @@ from ledger.models import (
     VerificationPass,
 )
 from ledger.services import (
-    HashedEvent,
     LedgerError,
     event_body,
     invocation_transition,
@@ -182,16 +181,10 @@ def counted(number: int, noun: str, plural: str = "") -> str:
     return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
-class Link(NamedTuple):
-    """One event as verification reads it: the columns its hash covers, and the hash."""
-
-    seq: int
-    kind: str
-    actor: str
-    data: dict[str, Any]
-    created_at: dt.datetime
-    prev_hash: str
-    hash: str
+# An event as verification reads it: the model (one invocation's), or the columns of
+# a PlainEvent (many invocations', where building models would cost more than hashing).
+type Link = Event | store.PlainEvent
+LINK_FIELDS = [f.name for f in fields(store.PlainEvent)]
 
 
 class Chain(NamedTuple):
@@ -201,10 +194,10 @@ class Chain(NamedTuple):
     invocation_id: str
     event_count: int
     head_hash: str
-    links: Sequence[HashedEvent]
+    links: Sequence[Link]
 
 
-def _link_breaks(invocation_id: str, events: Sequence[HashedEvent]) -> Iterator[Break]:
+def _link_breaks(invocation_id: str, events: Sequence[Link]) -> Iterator[Break]:
     """The first broken link among the events themselves, if any."""
     prev = chain.GENESIS_HASH
     for expected_seq, event in enumerate(events, start=1):
@@ -244,7 +237,7 @@ UNEXPLAINED_HISTORY_ADVICE = (
 )
 
 
-def _transition_breaks(invocation_id: str, events: Sequence[HashedEvent]) -> Iterator[Break]:
+def _transition_breaks(invocation_id: str, events: Sequence[Link]) -> Iterator[Break]:
     """The first recorded state the retry policy does not lead to (policy.replay)."""
     unexplained = policy.replay((event.seq, event.kind, event.data) for event in events)
     if unexplained is not None:
@@ -252,11 +245,11 @@ def _transition_breaks(invocation_id: str, events: Sequence[HashedEvent]) -> Ite
         yield Break("transition", where, unexplained.expected, unexplained.found)
 
 
-def _head_differs(invocation: Invocation, last: HashedEvent) -> bool:
+def _head_differs(invocation: Invocation, last: Link) -> bool:
     return (invocation.event_count, invocation.head_hash) != (last.seq, last.hash)
 
 
-def _projection_breaks(invocation: Invocation, events: Sequence[HashedEvent]) -> Iterator[Break]:
+def _projection_breaks(invocation: Invocation, events: Sequence[Link]) -> Iterator[Break]:
     """The projection must equal the state the last event recorded, and the columns
     fixed at intent time what the intent recorded."""
     for name, (recorded, found) in _differences(invocation, events).items():
@@ -268,9 +261,7 @@ def _projection_breaks(invocation: Invocation, events: Sequence[HashedEvent]) ->
         )
 
 
-def _differences(
-    invocation: Invocation, events: Sequence[HashedEvent]
-) -> dict[str, tuple[Any, Any]]:
+def _differences(invocation: Invocation, events: Sequence[Link]) -> dict[str, tuple[Any, Any]]:
     """The row's columns that differ from its chain's: (recorded, found). The runtime
     is compared as the actor who recorded the intent."""
     intent = events[0] if events[0].seq == 1 else None
@@ -444,14 +435,16 @@ def _chains(events: QuerySet[Event]) -> Iterator[Chain]:
             "invocation__invocation_id",
             "invocation__event_count",
             "invocation__head_hash",
-            *Link._fields,
+            *LINK_FIELDS,
         )
         .iterator(chunk_size=5000)
     )
     for (pk, invocation_id, count, head_hash), rows in itertools.groupby(
         streamed, key=itemgetter(0, 1, 2, 3)
     ):
-        yield Chain(pk, invocation_id, count, head_hash, [Link._make(row[4:]) for row in rows])
+        yield Chain(
+            pk, invocation_id, count, head_hash, [store.PlainEvent(*row[4:]) for row in rows]
+        )
 
 
 def _check_chains(report: Report, events: QuerySet[Event], *, projections: bool) -> set[int]:

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -202,7 +202,7 @@ class _Work:
     new_attempts: list[store.NewAttempt] = field(default_factory=list)
     # With the owner's invocation_id, the attempt_id and, if already stored, its pk.
     new_outcomes: list[tuple[Outcome, str, str, int | None]] = field(default_factory=list)
-    new_events: list[tuple[store.NewEvent, str]] = field(default_factory=list)
+    new_events: list[tuple[store.PlainEvent, str]] = field(default_factory=list)
     dirty: dict[str, Invocation] = field(default_factory=dict)
     read_event_count: dict[str, int] = field(default_factory=dict)
     unchanged_capabilities: list[store.KnownCapability] = field(default_factory=list)
@@ -327,7 +327,7 @@ class _Work:
     def event(self, invocation: Invocation, kind: str, actor: str, data: dict[str, Any]) -> None:
         invocation.event_count += 1
         body = {"state": _state_summary(invocation), **data}
-        event = store.NewEvent(
+        event = store.PlainEvent(
             seq=invocation.event_count,
             kind=kind,
             actor=actor,
@@ -413,27 +413,7 @@ class _Work:
             self.runtime.unconfirmed_token_id = None
 
 
-class HashedEvent(Protocol):
-    """An event as its hash sees it: a model, a `store.NewEvent` or a row read to
-    verify it."""
-
-    @property
-    def seq(self) -> int: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def actor(self) -> str: ...
-    @property
-    def data(self) -> dict[str, Any]: ...
-    @property
-    def created_at(self) -> dt.datetime: ...
-    @property
-    def prev_hash(self) -> str: ...
-    @property
-    def hash(self) -> str: ...
-
-
-def event_body(event: HashedEvent, invocation_id: str) -> dict[str, Any]:
+def event_body(event: Event | store.PlainEvent, invocation_id: str) -> dict[str, Any]:
     """What an event's hash covers: everything but its own hash."""
     return {
         "invocation_id": invocation_id,

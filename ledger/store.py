@@ -560,8 +560,9 @@ def _array(rows: list[dict[str, Any]]) -> str:
 
 
 @dataclass(slots=True)
-class NewEvent:
-    """An event on its way to `write`: a plain record, cheaper to build than a model."""
+class PlainEvent:
+    """An event as a plain record, cheaper to build than a model: on its way to
+    `write`, or read to be verified."""
 
     seq: int
     kind: str
@@ -574,7 +575,7 @@ class NewEvent:
 
 @dataclass(slots=True)
 class NewAttempt:
-    """An admitted attempt on its way to `write`, like NewEvent; `pk` is not known yet."""
+    """An admitted attempt on its way to `write`, like PlainEvent; `pk` is not known yet."""
 
     owner: str  # the invocation's invocation_id
     attempt_id: str
@@ -590,7 +591,7 @@ class Writes:
     updated: list[tuple[Invocation, int]]  # with the event_count that was read
     new_attempts: list[NewAttempt]
     new_outcomes: list[tuple[Outcome, str, str, int | None]]  # owner, attempt_id, attempt pk
-    new_events: list[tuple[NewEvent, str]]  # owner invocation_id
+    new_events: list[tuple[PlainEvent, str]]  # owner invocation_id
     # (reference, owner invocation_id): references the events name that no one had
     # named when the unit read them. The write fails (RaceLost) if one is named now.
     new_references: list[tuple[str, str]] = field(default_factory=list)
