@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import io
 import itertools
 import json
 import logging
+import re
+import tempfile
+import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
@@ -832,3 +836,49 @@ def export_bundle(
     }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return {"events": count, "seals": sealed}
+
+
+# What checks a bundle, standard library only: handed over inside an archive, so that
+# whoever receives it checks it with nothing installed.
+VERIFIER_FILES = ("ledger/__init__.py", "ledger/policy.py", "ledger/verify_bundle.py")
+ARCHIVE_README = """\
+Evidence bundle of invocation {invocation_id}, exported {exported} (UTC) by the
+Invocation Ledger. To check it, with Python 3.12 and nothing else, in this folder:
+
+    python3 -m ledger.verify_bundle .
+
+It checks every event's hash and chain link, replays the recorded states through the
+retry policy, and checks the seals' hashes, chain and Merkle roots. A seal hash from
+the ledger's log ties the bundle to the ledger, which a consistent forgery cannot be:
+
+    python3 -m ledger.verify_bundle . --seal HASH
+
+The verifier (ledger/verify_bundle.py and ledger/policy.py) is here for convenience.
+Whoever doubts the ledger's operators checks with their own copy from its source.
+"""
+
+
+def archive_name(invocation_id: str) -> str:
+    """The archive's folder (and file) name: the id, in characters any file system takes."""
+    return "evidence-" + re.sub(r"[^A-Za-z0-9._-]", "_", invocation_id)
+
+
+def bundle_archive(invocation_id: str) -> bytes:
+    """One invocation's evidence bundle as a zip, in a folder with the verifier."""
+    source = Path(__file__).resolve().parent.parent
+    top = archive_name(invocation_id)
+    archived = io.BytesIO()
+    with (
+        tempfile.TemporaryDirectory() as exported,
+        zipfile.ZipFile(archived, "w", zipfile.ZIP_DEFLATED) as archive,
+    ):
+        export_bundle(Path(exported), invocation_id=invocation_id)
+        for path in sorted(Path(exported).iterdir()):
+            archive.write(path, f"{top}/{path.name}")
+        for name in VERIFIER_FILES:
+            archive.write(source / name, f"{top}/{name}")
+        readme = ARCHIVE_README.format(
+            invocation_id=invocation_id, exported=timezone.now().strftime("%Y-%m-%d %H:%M")
+        )
+        archive.writestr(f"{top}/README.txt", readme)
+    return archived.getvalue()

@@ -1,8 +1,9 @@
 """Verify an evidence bundle offline — Python's standard library only.
 
-    python -m ledger.verify_bundle BUNDLE_DIR
+    python -m ledger.verify_bundle BUNDLE_DIR     # or the console's evidence-....zip
 
-A bundle (`manage.py export_bundle`) holds:
+A bundle (`manage.py export_bundle`, or the console's download of one invocation's)
+holds:
 
 - manifest.json   the SHA-256 of every other file;
 - events.jsonl    per event: its hashed body (RFC 8785 canonical JSON, as a string),
@@ -33,6 +34,7 @@ import argparse
 import hashlib
 import json
 import sys
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -59,11 +61,21 @@ def merkle_root(leaves: Iterable[str]) -> str:
     return level[0].hex()
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
+def _lines(path: Path | zipfile.Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def verify(folder: Path, trusted: Iterable[str] = ()) -> tuple[list[str], int]:
+def opened(path: Path) -> Path | zipfile.Path:
+    """The folder holding the bundle's manifest: `path`, or in a zip archive its top
+    folder (or its root)."""
+    if not zipfile.is_zipfile(path):
+        return path
+    root = zipfile.Path(path)
+    folders = [entry for entry in root.iterdir() if entry.is_dir()]
+    return next((f for f in folders if (f / "manifest.json").exists()), root)
+
+
+def verify(folder: Path | zipfile.Path, trusted: Iterable[str] = ()) -> tuple[list[str], int]:
     """Each problem found, and how many events the trusted seals anchor."""
     problems: list[str] = []
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -157,13 +169,17 @@ def main(argv: list[str] | None = None) -> int:
         help="a seal hash from the ledger's log; the bundle's events it seals are anchored",
     )
     args = parser.parse_args(argv)
-    problems, anchored = verify(args.bundle, args.seal)
+    bundle = opened(args.bundle)
+    if not (bundle / "manifest.json").exists():
+        print(f"FAIL {args.bundle}: no manifest.json, not an evidence bundle")
+        return 1
+    problems, anchored = verify(bundle, args.seal)
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
         return 1
-    events = len(_lines(args.bundle / "events.jsonl"))
-    seals = len(_lines(args.bundle / "seals.jsonl"))
+    events = len(_lines(bundle / "events.jsonl"))
+    seals = len(_lines(bundle / "seals.jsonl"))
     print(f"OK: {_counted(events, 'event')} and {_counted(seals, 'seal')} verified")
     if args.seal:
         print(f"anchored: {anchored} of {events} events are sealed by the given seal(s)")

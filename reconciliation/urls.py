@@ -28,6 +28,11 @@ urlpatterns = [
     path("queue/probes", views.rerun_probes, name="queue-probes"),
     path("dashboard/", views.dashboard, name="dashboard"),
     path("invocations/<stored_id:invocation_id>/", views.invocation_page, name="invocation"),
+    path(
+        "invocations/<stored_id:invocation_id>/bundle.zip",
+        views.invocation_bundle,
+        name="bundle",
+    ),
     path("invocations/<stored_id:invocation_id>/resolve", views.resolve, name="resolve"),
     path(
         "invocations/<stored_id:invocation_id>/approve",

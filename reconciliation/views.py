@@ -27,7 +27,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from ledger import chain, policy
 from ledger.audit import invocations_naming
 from ledger.capabilities import awaiting_its_probe
-from ledger.integrity import restore_projection
+from ledger.integrity import archive_name, bundle_archive, restore_projection
 from ledger.metrics import background_work, probe_run_counts, probe_runs_per_capability
 from ledger.models import (
     FLAGGED_STATUSES,
@@ -372,6 +372,19 @@ def invocation_page(request: HttpRequest, invocation_id: str) -> HttpResponse:
     invocation = _invocation(invocation_id)
     template = fragment(request, "reconciliation/invocation.html", "detail")
     return render(request, template, invocation_context(request, invocation))
+
+
+@require_GET
+@role_required(*READERS)
+def invocation_bundle(request: HttpRequest, invocation_id: str) -> HttpResponse:
+    """The invocation's evidence bundle, with the verifier that checks it offline."""
+    invocation = _invocation(invocation_id)
+    response = HttpResponse(
+        bundle_archive(invocation.invocation_id), content_type="application/zip"
+    )
+    name = archive_name(invocation.invocation_id)
+    response["Content-Disposition"] = f'attachment; filename="{name}.zip"'
+    return response
 
 
 def _after_action(request: HttpRequest, invocation_id: str, done: str) -> HttpResponse:

@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 from django.core.management import call_command
+from django.test import Client
 
 from ledger import chain
 from ledger.integrity import seal_events
 from ledger.models import Capability
 from ledger.tasks import seal_new_events
 from ledger.verify_bundle import merkle_root, sha256
-from tests.conftest import Api
+from tests.conftest import Api, person
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -184,3 +187,61 @@ def forge_everything(folder: Path) -> None:
             event["seal"] = seal["hash"]
     forge(folder, "events.jsonl", "".join(json.dumps(e) + "\n" for e in events))
     forge(folder, "seals.jsonl", json.dumps(seal) + "\n")
+
+
+def test_the_console_hands_over_one_invocations_bundle_with_its_verifier(
+    bundle: Path, tmp_path: Path
+) -> None:
+    """Compliance downloads an invocation's bundle from its page: a zip that checks with
+    the verifier inside it, in a Python with nothing installed, or with a checkout's."""
+    reviewer = person("cora", "compliance")
+    page = reviewer.get("/invocations/inv-2/").content.decode()
+    assert 'href="/invocations/inv-2/bundle.zip"' in page
+    response = reviewer.get("/invocations/inv-2/bundle.zip")
+    assert response.status_code == 200 and response["Content-Type"] == "application/zip"
+    assert response["Content-Disposition"] == 'attachment; filename="evidence-inv-2.zip"'
+    archive = tmp_path / "evidence-inv-2.zip"
+    archive.write_bytes(response.content)
+    with zipfile.ZipFile(archive) as opened:
+        names = set(opened.namelist())
+        opened.extractall(tmp_path / "received")
+    assert names == {
+        f"evidence-inv-2/{name}"
+        for name in ("manifest.json", "events.jsonl", "seals.jsonl", "README.txt",
+                     "ledger/__init__.py", "ledger/policy.py", "ledger/verify_bundle.py")
+    }  # fmt: skip
+
+    received = subprocess.run(
+        [sys.executable, "-S", "-m", "ledger.verify_bundle", "."],
+        cwd=tmp_path / "received" / "evidence-inv-2", capture_output=True, text=True,
+    )  # fmt: skip
+    assert received.returncode == 0, received.stdout + received.stderr
+    assert received.stdout.splitlines()[0] == "OK: 3 events and 1 seal verified"
+    assert verify(archive).stdout.splitlines()[0] == "OK: 3 events and 1 seal verified"
+
+
+def test_a_downloaded_bundle_changed_by_one_byte_fails(bundle: Path, tmp_path: Path) -> None:
+    content = person("cora", "compliance").get("/invocations/inv-2/bundle.zip").content
+    changed = tmp_path / "changed.zip"
+    with zipfile.ZipFile(io.BytesIO(content)) as original, zipfile.ZipFile(changed, "w") as out:
+        for item in original.infolist():
+            data = original.read(item)
+            if item.filename.endswith("events.jsonl"):
+                data = data.replace(b'"kind\\":\\"succeeded', b'"kind\\":\\"business_failed', 1)
+                assert data != original.read(item)
+            out.writestr(item, data)
+    result = verify(changed)
+    assert result.returncode == 1
+    assert result.stdout.startswith("FAIL events.jsonl: sha256 ")
+
+
+def test_a_bundle_of_no_invocation_or_no_bundle_is_refused(
+    bundle: Path, api: Api, tmp_path: Path
+) -> None:
+    assert person("cora", "compliance").get("/invocations/inv-9/bundle.zip").status_code == 404
+    response = Client().get("/invocations/inv-2/bundle.zip", headers=api.headers())
+    assert response.status_code == 302 and "/accounts/login/" in response["Location"]
+    result = verify(tmp_path)
+    assert (result.returncode, result.stdout) == (
+        1, f"FAIL {tmp_path}: no manifest.json, not an evidence bundle\n"
+    )  # fmt: skip
