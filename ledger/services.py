@@ -205,7 +205,7 @@ class _Work:
     new_events: list[tuple[store.PlainEvent, str]] = field(default_factory=list)
     dirty: dict[str, Invocation] = field(default_factory=dict)
     read_event_count: dict[str, int] = field(default_factory=dict)
-    unchanged_capabilities: list[store.KnownCapability] = field(default_factory=list)
+    unchanged_capabilities: dict[str, store.KnownCapability] = field(default_factory=dict)
     # Business reference -> {invocation_id: runtime id} of the invocations whose
     # evidence names it, as read, and as this unit's own successes add to it.
     named_by: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -269,13 +269,14 @@ class _Work:
                 self.unnamed.add(reference)
 
     def assume_new(self, known: dict[str, store.KnownCapability]) -> None:
-        """Read nothing: every intent is taken as new, under capabilities remembered.
+        """Read nothing: every intent is taken as new, under capabilities remembered
+        (or none, for a scope remembered unregistered: undeclared).
 
         The write inserts no invocation that already exists and checks that the
         capabilities still read the same; if either fails, it writes nothing.
         """
         self.capabilities = {scope: entry.capability for scope, entry in known.items()}
-        self.unchanged_capabilities = list(known.values())
+        self.unchanged_capabilities = dict(known)
 
     def claim_kept(self, invocation: Invocation, attempt_id: str, claim: dict[str, Any]) -> bool:
         """Whether this conflicting claim about the attempt is already kept: in this

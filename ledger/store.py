@@ -17,8 +17,10 @@ directly (the rest of the project uses the ORM):
   invocation is `ON CONFLICT DO NOTHING`. If any of them did not happen, another
   request won a race, and `ledger_assert_written` raises so that the whole
   statement rolls back and the caller reloads and applies its items again. New
-  intents under capabilities already read (`known_capabilities`) skip `load`; their
-  write also checks that each capability row still reads as remembered. A
+  intents under capabilities already read (`known_capabilities`), or under scopes
+  read with none (undeclared), skip `load`; their write also checks that each
+  capability row still reads as remembered, and that none was registered under
+  such a scope since. A
   business reference that no one named when the unit read it is inserted into
   ledger_namedreference; if another unit named it meanwhile, that insert waits for
   it, inserts nothing and the race is lost the same way.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -259,8 +262,10 @@ new_reference AS (
         parts.append(f"""
 unchanged_capability AS (
   SELECT 1 FROM ledger_rows({rows_of("unchanged_capability")}::jsonb) AS r(j)
-  JOIN ledger_capability c ON c.scope = r.j ->> 'scope'
-  WHERE {FINGERPRINT} = r.j ->> 'fingerprint'
+  LEFT JOIN ledger_capability c ON c.scope = r.j ->> 'scope'
+  -- A scope remembered with no capability (no fingerprint) must still have none.
+  WHERE CASE WHEN r.j ->> 'fingerprint' IS NULL THEN c.id IS NULL
+             ELSE {FINGERPRINT} = r.j ->> 'fingerprint' END
 )""")
     checks = " AND ".join(
         f"(SELECT count(*) FROM {cte}) = ${len(written) + n}::integer"
@@ -409,22 +414,45 @@ def new_instance[M: models.Model](model: type[M], **values: Any) -> M:
 
 @dataclass(frozen=True, slots=True)
 class KnownCapability:
-    capability: Capability
-    fingerprint: str
+    """A capability as read, or (both None) a scope read with none registered."""
 
+    capability: Capability | None
+    fingerprint: str | None
+
+
+NOT_REGISTERED = KnownCapability(None, None)
 
 # The capabilities this process has read, by scope. Any unit may rely on one only
 # if its write checks the fingerprint (`Writes.unchanged_capabilities`). Only rows
-# that exist are remembered, so the memory is as large as the registry.
+# that exist are remembered here, so the memory is as large as the registry.
 _known: dict[str, KnownCapability] = {}
+# The scopes read with no capability (their intents are flagged undeclared), relied
+# on the same way: the write checks that none was registered since. Runtimes name
+# these, so only the most recently read are remembered.
+_unregistered: OrderedDict[str, None] = OrderedDict()
+UNREGISTERED_REMEMBERED = 1000
 
 
 def known_capabilities(scopes: Iterable[str]) -> dict[str, KnownCapability] | None:
-    """The remembered capabilities of these scopes, or None if one is not remembered."""
-    try:
-        return {scope: _known[scope] for scope in scopes}
-    except KeyError:
-        return None
+    """The remembered capabilities of these scopes, NOT_REGISTERED for a scope
+    remembered with none, or None if one is not remembered."""
+    known = {}
+    for scope in scopes:
+        if scope in _known:
+            known[scope] = _known[scope]
+        elif scope in _unregistered:
+            known[scope] = NOT_REGISTERED
+        else:
+            return None
+    return known
+
+
+def _remember_unregistered(scope: str) -> None:
+    _known.pop(scope, None)
+    _unregistered[scope] = None
+    _unregistered.move_to_end(scope)
+    while len(_unregistered) > UNREGISTERED_REMEMBERED:
+        _unregistered.popitem(last=False)
 
 
 class Head(NamedTuple):
@@ -477,9 +505,10 @@ def load(
     for entry in _json(capabilities_json):
         capability = _instance(Capability, entry["row"])
         _known[capability.scope] = KnownCapability(capability, entry["fingerprint"])
+        _unregistered.pop(capability.scope, None)
         loaded.capabilities.append(capability)
     for scope in {*scopes} - {capability.scope for capability in loaded.capabilities}:
-        _known.pop(scope, None)
+        _remember_unregistered(scope)
     for entry in _json(invocations_json):
         attempts = [
             (
@@ -595,9 +624,9 @@ class Writes:
     # (reference, owner invocation_id): references the events name that no one had
     # named when the unit read them. The write fails (RaceLost) if one is named now.
     new_references: list[tuple[str, str]] = field(default_factory=list)
-    # Remembered capabilities the unit relied on: the write fails unless they still
-    # read the same.
-    unchanged_capabilities: list[KnownCapability] = field(default_factory=list)
+    # Remembered capabilities the unit relied on, by scope: the write fails unless they
+    # still read the same (and a scope remembered with none still has none).
+    unchanged_capabilities: dict[str, KnownCapability] = field(default_factory=dict)
     # A remembered runtime token: the write fails with TokenRevoked unless it is active.
     confirm_token: int | None = None
 
@@ -636,8 +665,8 @@ def write(writes: Writes) -> None:
         rows.append([{"reference": r, "owner": owner} for r, owner in writes.new_references])
     if writes.unchanged_capabilities:
         rows.append([
-            {"scope": known.capability.scope, "fingerprint": known.fingerprint}
-            for known in writes.unchanged_capabilities
+            {"scope": scope, "fingerprint": known.fingerprint}
+            for scope, known in writes.unchanged_capabilities.items()
         ])  # fmt: skip
     params: list[Any] = [*map(_array, rows), *map(len, rows)]
     if writes.confirm_token is not None:

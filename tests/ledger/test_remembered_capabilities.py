@@ -7,8 +7,13 @@ admin, a migration or another process would) and show the answer follows the row
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
+import pytest
+
+from ledger import store
 from ledger.models import Capability, Event, Invocation
-from tests.conftest import Api
+from tests.conftest import Api, registered
 
 
 def test_a_new_intent_under_a_remembered_capability_is_one_write(
@@ -83,3 +88,59 @@ def test_a_capability_gone_since_it_was_remembered_makes_the_intent_undeclared(
 
     assert (status, body["flags"]) == (201, ["undeclared"])
     assert Invocation.objects.get(invocation_id="inv-2").capability is None
+
+
+def test_a_new_intent_under_a_scope_remembered_unregistered_is_one_write(
+    api: Api, statements: list[str]
+) -> None:
+    """A deployment that has declared nothing yet pays no read for it on each intent."""
+    assert api.intent(invocation_id="inv-1", idempotency_key="k1", capability="pay.new")[0] == 201
+    statements.clear()
+
+    status, body = api.intent(
+        invocation_id="inv-2", idempotency_key="k2", capability="pay.new", attempt_id="a1"
+    )
+
+    assert (status, body["status"], body["flags"]) == (201, "in_flight", ["undeclared"])
+    assert len(statements) == 1, statements
+    invocation = Invocation.objects.get(invocation_id="inv-2")
+    assert invocation.capability is None
+    assert (invocation.hint_readonly, invocation.risk_level) == (False, "high")
+
+
+def test_a_capability_registered_since_its_scope_was_remembered_unregistered_governs(
+    api: Api,
+) -> None:
+    assert api.intent(invocation_id="inv-1", idempotency_key="k1", capability="pay.new")[0] == 201
+    # Behind the memory's back, as another process's registration would be.
+    registered("pay.new", enabled=False)
+
+    status, body = api.intent(invocation_id="inv-2", idempotency_key="k2", capability="pay.new")
+
+    assert (status, body["error"]["type"]) == (422, "capability_disabled")
+    assert not Invocation.objects.filter(invocation_id="inv-2").exists()
+    Capability.objects.filter(scope="pay.new").update(enabled=True, readonly=True)
+    status, body = api.intent(invocation_id="inv-3", idempotency_key="k3", capability="pay.new")
+    assert (status, body["flags"]) == (201, [])
+    assert Invocation.objects.get(invocation_id="inv-3").hint_readonly is True
+
+
+def test_only_the_scopes_read_last_are_remembered_unregistered(
+    api: Api, statements: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runtimes name undeclared scopes: the memory of them stays bounded."""
+    monkeypatch.setattr(store, "UNREGISTERED_REMEMBERED", 2)
+    monkeypatch.setattr(store, "_unregistered", OrderedDict())  # none of earlier tests'
+    for n, scope in enumerate(("pay.a", "pay.b", "pay.c")):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k{n}", capability=scope)
+    assert len(store._unregistered) == 2
+
+    sent = {}
+    for n, scope in enumerate(("pay.c", "pay.a"), start=3):
+        statements.clear()
+        assert (
+            api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k{n}", capability=scope)[0]
+            == 201
+        )
+        sent[scope] = len(statements)
+    assert sent == {"pay.c": 1, "pay.a": 2}  # forgotten: read, then written
