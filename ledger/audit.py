@@ -6,7 +6,7 @@ import csv
 import datetime as dt
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from django import forms
@@ -103,7 +103,16 @@ def parse_cursor(value: str) -> tuple[dt.datetime, int]:
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
-def search(data: dict[str, Any]) -> QuerySet[Invocation]:
+def filters_given(data: Mapping[str, Any]) -> dict[str, str]:
+    """The filters a search was given, as text: what a bundle's manifest records."""
+    return {
+        name: value.isoformat() if isinstance(value, dt.datetime) else str(value)
+        for name, value in data.items()
+        if value not in (None, "") and name not in ("after", "order")
+    }
+
+
+def search(data: Mapping[str, Any]) -> QuerySet[Invocation]:
     """The invocations matching the filters, in time order, after the page cursor."""
     rows = Invocation.objects.select_related("runtime")
     exact = {

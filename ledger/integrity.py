@@ -11,7 +11,7 @@ import logging
 import re
 import tempfile
 import zipfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from operator import itemgetter
@@ -23,6 +23,7 @@ from django.db.models import Max, Min, Q, QuerySet
 from django.utils import timezone
 
 from ledger import capabilities, chain, policy, store
+from ledger.audit import filters_given, search
 from ledger.models import (
     RECORDED_AT_INTENT,
     AdminAction,
@@ -765,15 +766,24 @@ def export_bundle(
     invocation_id: str | None = None,
     since: dt.datetime | None = None,
     until: dt.datetime | None = None,
+    searched: Mapping[str, Any] | None = None,
 ) -> dict[str, int]:
     """Write an evidence bundle that `python -m ledger.verify_bundle` checks
-    offline: events (whole chains), their covering seals, a manifest of hashes."""
+    offline: events (whole chains), their covering seals, a manifest of hashes.
+
+    Its chains: one invocation's, those with events in [since, until), or (`searched`,
+    the audit search's filters) those of every invocation the search finds."""
     folder.mkdir(parents=True, exist_ok=True)
     in_scope = Event.objects.all()
     if invocation_id:
         # One invocation's events are in its own month's partition only.
         invocation = Invocation.objects.filter(invocation_id=invocation_id).first()
         in_scope = Event.objects.none() if invocation is None else Event.objects.of(invocation)
+    if searched is not None:
+        # The search's range is of its invocations: their events are in its months.
+        found = search({**searched, "after": None}).order_by().values("pk")
+        months = Event.objects.recorded_between(searched.get("since"), searched.get("until"))
+        in_scope = months.filter(invocation__in=found)
     events = (
         chains_touched(in_scope.filter(time_window(since, until)))
         .select_related("invocation", "sealed__seal")
@@ -831,6 +841,7 @@ def export_bundle(
             "invocation_id": invocation_id,
             "since": since.isoformat() if since else None,
             "until": until.isoformat() if until else None,
+            **({"search": filters_given(searched)} if searched is not None else {}),
         },
         "files": files,
     }
@@ -842,8 +853,8 @@ def export_bundle(
 # whoever receives it checks it with nothing installed.
 VERIFIER_FILES = ("ledger/__init__.py", "ledger/policy.py", "ledger/verify_bundle.py")
 ARCHIVE_README = """\
-Evidence bundle of invocation {invocation_id}, exported {exported} (UTC) by the
-Invocation Ledger. To check it, with Python 3.12 and nothing else, in this folder:
+Evidence bundle of {holding}, exported {exported} (UTC) by the Invocation Ledger.
+To check it, with Python 3.12 and nothing else, in this folder:
 
     python3 -m ledger.verify_bundle .
 
@@ -858,27 +869,27 @@ Whoever doubts the ledger's operators checks with their own copy from its source
 """
 
 
-def archive_name(invocation_id: str) -> str:
-    """The archive's folder (and file) name: the id, in characters any file system takes."""
-    return "evidence-" + re.sub(r"[^A-Za-z0-9._-]", "_", invocation_id)
+def archive_name(naming: str) -> str:
+    """An archive's folder (and file) name, in characters any file system takes."""
+    return "evidence-" + re.sub(r"[^A-Za-z0-9._-]", "_", naming)
 
 
-def bundle_archive(invocation_id: str) -> bytes:
-    """One invocation's evidence bundle as a zip, in a folder with the verifier."""
+def bundle_archive(top: str, holding: str, **scope: Any) -> bytes:
+    """An evidence bundle (`export_bundle`'s `scope`) as a zip, in a folder `top`
+    with the verifier and a README that says it holds `holding`."""
     source = Path(__file__).resolve().parent.parent
-    top = archive_name(invocation_id)
     archived = io.BytesIO()
     with (
         tempfile.TemporaryDirectory() as exported,
         zipfile.ZipFile(archived, "w", zipfile.ZIP_DEFLATED) as archive,
     ):
-        export_bundle(Path(exported), invocation_id=invocation_id)
+        export_bundle(Path(exported), **scope)
         for path in sorted(Path(exported).iterdir()):
             archive.write(path, f"{top}/{path.name}")
         for name in VERIFIER_FILES:
             archive.write(source / name, f"{top}/{name}")
-        readme = ARCHIVE_README.format(
-            invocation_id=invocation_id, exported=timezone.now().strftime("%Y-%m-%d %H:%M")
+        exported_at = timezone.now().strftime("%Y-%m-%d %H:%M")
+        archive.writestr(
+            f"{top}/README.txt", ARCHIVE_README.format(holding=holding, exported=exported_at)
         )
-        archive.writestr(f"{top}/README.txt", readme)
     return archived.getvalue()

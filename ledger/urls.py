@@ -23,6 +23,7 @@ urlpatterns = [
     path("audit/capabilities/", views.capability_list, name="capabilities"),
     path("audit/capabilities/<str:scope>/", views.capability_page, name="capability"),
     path("audit/export.<str:fmt>", views.audit_export, name="audit-export"),
+    path("audit/bundle.zip", views.audit_bundle, name="audit-bundle"),
     path("", include("reconciliation.urls")),
 ]
 

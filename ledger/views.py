@@ -31,6 +31,7 @@ from ledger.audit import (
     AuditFilterForm,
     csv_lines,
     export_rows,
+    filters_given,
     jsonl_lines,
     page_cursor,
     search,
@@ -39,6 +40,9 @@ from ledger.capabilities import awaiting_its_probe, called_undeclared, capabilit
 from ledger.integrity import (
     CAPABILITY_ADVICE,
     UNEXPLAINED_HISTORY_ADVICE,
+    archive_name,
+    bundle_archive,
+    counted,
     more_events_than,
     newest_passes,
     verify,
@@ -179,6 +183,11 @@ class ThrottledLoginView(LoginView):
 PAGE = 50
 
 
+# A search's bundle is built whole before it is sent: a thousand chains are a few MB.
+# Larger ones are an administrator's `manage.py export_bundle`, which streams to disk.
+BUNDLE_MAX_INVOCATIONS = 1000
+
+
 @require_GET
 @role_required(*READERS)
 def audit(request: HttpRequest) -> HttpResponse:
@@ -195,7 +204,13 @@ def audit(request: HttpRequest) -> HttpResponse:
         next_query = query.urlencode()
     export = request.GET.copy()
     export.pop("after", None)
-    context = {"form": form, "rows": rows, "next_query": next_query, "export": export.urlencode()}
+    context = {
+        "form": form,
+        "rows": rows,
+        "next_query": next_query,
+        "export": export.urlencode(),
+        "bundle_max": BUNDLE_MAX_INVOCATIONS,
+    }
     return render(request, fragment(request, "ledger/audit.html", "results"), context)
 
 
@@ -267,6 +282,33 @@ def action_lines(
             return found, None
         before, left, size = read[-1].pk, left - len(read), ACTIONS_READ
     return found, found[-1].oldest.pk
+
+
+@require_GET
+@role_required(*READERS)
+def audit_bundle(request: HttpRequest) -> HttpResponse:
+    """The evidence bundle of every invocation the search finds, with its verifier."""
+    form = AuditFilterForm(request.GET)
+    if not form.is_valid():
+        return HttpResponseBadRequest(form.errors.as_text(), content_type="text/plain")
+    found = search({**form.cleaned_data, "after": None}).order_by().values("pk")
+    count = found[: BUNDLE_MAX_INVOCATIONS + 1].count()
+    if not 0 < count <= BUNDLE_MAX_INVOCATIONS:
+        refusal = (
+            "This search finds no invocation: there is nothing to bundle."
+            if count == 0
+            else f"This search finds more than {BUNDLE_MAX_INVOCATIONS:,} invocations, the "
+            "most a bundle from the console holds. Narrow it (a time range, a capability), "
+            "or ask an administrator for `manage.py export_bundle`."
+        )
+        return HttpResponseBadRequest(refusal, content_type="text/plain")
+    top = archive_name(f"search-{timezone.now():%Y%m%dT%H%M%S}")
+    given = ", ".join(f"{name}={value}" for name, value in filters_given(form.cleaned_data).items())
+    holding = f"the {counted(count, 'invocation')} an audit search found ({given or 'no filter'})"
+    archive = bundle_archive(top, holding, searched=form.cleaned_data)
+    response = HttpResponse(archive, content_type="application/zip")
+    response["Content-Disposition"] = f'attachment; filename="{top}.zip"'
+    return response
 
 
 @require_GET

@@ -379,11 +379,12 @@ def invocation_page(request: HttpRequest, invocation_id: str) -> HttpResponse:
 def invocation_bundle(request: HttpRequest, invocation_id: str) -> HttpResponse:
     """The invocation's evidence bundle, with the verifier that checks it offline."""
     invocation = _invocation(invocation_id)
-    response = HttpResponse(
-        bundle_archive(invocation.invocation_id), content_type="application/zip"
+    top = archive_name(invocation.invocation_id)
+    archive = bundle_archive(
+        top, f"invocation {invocation.invocation_id}", invocation_id=invocation.invocation_id
     )
-    name = archive_name(invocation.invocation_id)
-    response["Content-Disposition"] = f'attachment; filename="{name}.zip"'
+    response = HttpResponse(archive, content_type="application/zip")
+    response["Content-Disposition"] = f'attachment; filename="{top}.zip"'
     return response
 
 

@@ -17,6 +17,7 @@ from django.core.management import call_command
 from django.test import Client
 
 from ledger import chain
+from ledger import views as ledger_views
 from ledger.integrity import seal_events
 from ledger.models import Capability
 from ledger.tasks import seal_new_events
@@ -245,3 +246,54 @@ def test_a_bundle_of_no_invocation_or_no_bundle_is_refused(
     assert (result.returncode, result.stdout) == (
         1, f"FAIL {tmp_path}: no manifest.json, not an evidence bundle\n"
     )  # fmt: skip
+
+
+def bundled(content: bytes, name: str) -> str:
+    """One file of a downloaded bundle."""
+    with zipfile.ZipFile(io.BytesIO(content)) as archive:
+        (path,) = [path for path in archive.namelist() if path.endswith(f"/{name}")]
+        return archive.read(path).decode()
+
+
+def test_the_audit_search_hands_over_the_bundle_of_what_it_finds(
+    bundle: Path, api: Api, tmp_path: Path
+) -> None:
+    api.intent(invocation_id="inv-x", idempotency_key="k-x", capability="pay.other")
+    reviewer = person("cora", "compliance")
+    page = reviewer.get("/audit/", {"capability": "refund.create"}).content.decode()
+    assert 'href="/audit/bundle.zip?capability=refund.create"' in page
+
+    response = reviewer.get("/audit/bundle.zip", {"capability": "refund.create"})
+
+    assert response.status_code == 200 and response["Content-Type"] == "application/zip"
+    assert re.fullmatch(
+        r'attachment; filename="evidence-search-\d{8}T\d{6}\.zip"', response["Content-Disposition"]
+    )
+    archive = tmp_path / "search.zip"
+    archive.write_bytes(response.content)
+    result = verify(archive)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[0] == "OK: 7 events and 1 seal verified"
+    events = [json.loads(line) for line in bundled(response.content, "events.jsonl").splitlines()]
+    assert {json.loads(e["body"])["invocation_id"] for e in events} == {"inv-1", "inv-2", "inv-3"}
+    manifest = json.loads(bundled(response.content, "manifest.json"))
+    assert manifest["scope"]["search"] == {"capability": "refund.create"}
+    assert "the 3 invocations an audit search found (capability=refund.create)" in bundled(
+        response.content, "README.txt"
+    )
+
+
+def test_a_search_bundle_of_too_many_or_none_or_a_bad_filter_is_refused(
+    bundle: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reviewer = person("cora", "compliance")
+    monkeypatch.setattr(ledger_views, "BUNDLE_MAX_INVOCATIONS", 2)
+    too_many = reviewer.get("/audit/bundle.zip")
+    assert too_many.status_code == 400
+    assert "This search finds more than 2 invocations" in too_many.content.decode()
+    assert reviewer.get("/audit/bundle.zip", {"task_id": "t-none"}).content.decode() == (
+        "This search finds no invocation: there is nothing to bundle."
+    )
+    bad = reviewer.get("/audit/bundle.zip", {"since": "yesterday-ish"})
+    assert bad.status_code == 400 and "since" in bad.content.decode()
+    assert reviewer.get("/audit/bundle.zip", {"invocation_id": "inv-2"}).status_code == 200
