@@ -36,12 +36,7 @@ from ledger.models import (
     SealedEvent,
     VerificationPass,
 )
-from ledger.services import (
-    LedgerError,
-    event_body,
-    invocation_transition,
-    runtime_actor,
-)
+from ledger.services import LedgerError, event_body, invocation_transition, runtime_actor
 from ledger.verify_bundle import merkle_root
 
 # Events are written by single statements that take milliseconds; an event committed

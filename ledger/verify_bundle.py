@@ -2,8 +2,8 @@
 
     python -m ledger.verify_bundle BUNDLE_DIR     # or the console's evidence-....zip
 
-A bundle (`manage.py export_bundle`, or the console's download of one invocation's)
-holds:
+A bundle (`manage.py export_bundle`, or the console's zip of an invocation or of an
+audit search) holds:
 
 - manifest.json   the SHA-256 of every other file;
 - events.jsonl    per event: its hashed body (RFC 8785 canonical JSON, as a string),
