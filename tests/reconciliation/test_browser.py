@@ -21,6 +21,7 @@ from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, registered
+from tests.ledger.test_bundle import verify as verify_bundle
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
@@ -241,6 +242,24 @@ def test_an_admin_restores_a_row_changed_outside_the_ledger(
     expect(admin.locator("dd.status")).to_have_text("reconciliation_required")
     restoring = Invocation.objects.get(invocation_id="inv-1").events.get(kind="projection_restored")
     assert (restoring.actor, restoring.data["reason"]) == ("user:ada", "INC-9: edited by hand")
+
+
+def test_a_reviewer_downloads_an_invocations_evidence_bundle_and_it_verifies(
+    browser: Browser, live_server: Any, flagged: None, tmp_path: Path
+) -> None:
+    user("cora", "compliance")
+    page = log_in(browser, live_server.url, "cora", javascript=True)
+    page.goto(f"{live_server.url}/invocations/inv-1/")
+    with page.expect_download() as downloading:
+        page.click("text=Evidence bundle")
+    download = downloading.value
+    assert download.suggested_filename == "evidence-inv-1.zip"
+    saved = tmp_path / download.suggested_filename
+    download.save_as(saved)
+    result = verify_bundle(saved)
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = Invocation.objects.get(invocation_id="inv-1").events.count()
+    assert result.stdout.startswith(f"OK: {events} events and 0 seals verified")
 
 
 def test_no_page_logs_an_error_in_the_browser(
