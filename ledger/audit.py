@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from django import forms
@@ -247,3 +248,58 @@ def jsonl_lines(rows: Iterable[dict[str, Any]]) -> Iterator[str]:
 
 def _sorted_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
+
+
+# The action log -----------------------------------------------------------------
+
+
+@dataclass
+class ActionLine:
+    """One line of the action log: an event, or consecutive events of one person acting
+    on every invocation of a capability alike (`every_of`: a re-run of its probes)."""
+
+    newest: Event
+    oldest: Event
+    count: int = 1
+
+    @property
+    def operator(self) -> str:
+        return self.newest.actor.removeprefix("user:")
+
+
+def _one_request(event: Event) -> tuple[str, str, str] | None:
+    """What consecutive events of one line share; None for an event of its own line."""
+    every_of = event.data.get("every_of") if isinstance(event.data, dict) else None
+    return (event.actor, event.kind, every_of) if every_of else None
+
+
+# Events read per query after a page's first (which reads one more than its lines),
+# and at most per page: a line may stand for a thousand events, which a page reads in
+# a few queries; one that stands for more goes on on the next page.
+ACTIONS_READ = 500
+ACTIONS_READ_PER_PAGE = 10 * ACTIONS_READ
+
+
+def action_lines(
+    events: QuerySet[Event], *, before: int | None, lines: int
+) -> tuple[list[ActionLine], int | None]:
+    """Up to `lines` lines of `events`, newest first, from the event before pk
+    `before`; and the pk the next page starts before (None: this is the last)."""
+    found: list[ActionLine] = []
+    size, left = lines + 1, ACTIONS_READ_PER_PAGE
+    while left > 0:
+        older = events if before is None else events.filter(pk__lt=before)
+        read = list(older.order_by("-pk")[: min(size, left)])
+        for event in read:
+            request = _one_request(event)
+            if found and request is not None and request == _one_request(found[-1].oldest):
+                found[-1].oldest = event
+                found[-1].count += 1
+            elif len(found) == lines:
+                return found, found[-1].oldest.pk
+            else:
+                found.append(ActionLine(newest=event, oldest=event))
+        if len(read) < min(size, left):
+            return found, None
+        before, left, size = read[-1].pk, left - len(read), ACTIONS_READ
+    return found, found[-1].oldest.pk

@@ -19,8 +19,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from ledger import capabilities, metrics
-from ledger import views as ledger_views
+from ledger import audit, capabilities, metrics
 from ledger.capabilities import capability_settings_change
 from ledger.integrity import seal_events, verify_next_slice
 from ledger.models import Capability, Event, Invocation
@@ -1245,11 +1244,11 @@ def test_the_action_log_gives_a_rerun_one_line_and_drops_no_action(
     people = Event.objects.filter(actor__startswith="user:").select_related("invocation")
     total = people.count()
     for read, per_page, lines in [(4, 8, 2), (2, 4, 5), (1, 3, 1)]:
-        monkeypatch.setattr(ledger_views, "ACTIONS_READ", read)
-        monkeypatch.setattr(ledger_views, "ACTIONS_READ_PER_PAGE", per_page)
+        monkeypatch.setattr(audit, "ACTIONS_READ", read)
+        monkeypatch.setattr(audit, "ACTIONS_READ_PER_PAGE", per_page)
         seen, before, pages = [], None, 0
         while True:
-            found, before = ledger_views.action_lines(people, before=before, lines=lines)
+            found, before = audit.action_lines(people, before=before, lines=lines)
             seen += [(line.newest.pk, line.oldest.pk, line.count) for line in found]
             pages += 1
             assert len(found) <= lines and pages < 20
