@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django import forms
-from django.db.models import Q, QuerySet
+from django.db.models import Case, Count, Min, Q, QuerySet, When
 
 from ledger import policy
 from ledger.models import (
@@ -273,33 +273,47 @@ def _one_request(event: Event) -> tuple[str, str, str] | None:
     return (event.actor, event.kind, every_of) if every_of else None
 
 
-# Events read per query after a page's first (which reads one more than its lines),
-# and at most per page: a line may stand for a thousand events, which a page reads in
-# a few queries; one that stands for more goes on on the next page.
-ACTIONS_READ = 500
-ACTIONS_READ_PER_PAGE = 10 * ACTIONS_READ
-
-
 def action_lines(
     events: QuerySet[Event], *, before: int | None, lines: int
 ) -> tuple[list[ActionLine], int | None]:
     """Up to `lines` lines of `events`, newest first, from the event before pk
     `before`; and the pk the next page starts before (None: this is the last)."""
     found: list[ActionLine] = []
-    size, left = lines + 1, ACTIONS_READ_PER_PAGE
-    while left > 0:
+    while True:
         older = events if before is None else events.filter(pk__lt=before)
-        read = list(older.order_by("-pk")[: min(size, left)])
-        for event in read:
-            request = _one_request(event)
-            if found and request is not None and request == _one_request(found[-1].oldest):
-                found[-1].oldest = event
-                found[-1].count += 1
-            elif len(found) == lines:
+        # One more than the lines wanted: whether another page follows them.
+        for event in older.order_by("-pk")[: lines - len(found) + 1]:
+            if len(found) == lines:
                 return found, found[-1].oldest.pk
-            else:
-                found.append(ActionLine(newest=event, oldest=event))
-        if len(read) < min(size, left):
+            line = _line_from(events, event)
+            found.append(line)
+            before = line.oldest.pk
+            if line.count > 1:
+                break  # what follows a run is read after it
+        else:
             return found, None
-        before, left, size = read[-1].pk, left - len(read), ACTIONS_READ
-    return found, found[-1].oldest.pk
+
+
+def _line_from(events: QuerySet[Event], newest: Event) -> ActionLine:
+    """The line `newest` starts: itself alone, or with the older events of its run,
+    counted in SQL, whatever their number (a re-run of a capability's probes records
+    one for each of its escalations)."""
+    request = _one_request(newest)
+    if request is None:
+        return ActionLine(newest=newest, oldest=newest)
+    actor, kind, every_of = request
+    of_the_run = Q(actor=actor, kind=kind, data__every_of=every_of)
+    # The newest older event of another line (CASE: an event with no `every_of` is
+    # one, where the bare condition would be NULL).
+    boundary = (
+        events.filter(pk__lt=newest.pk)
+        .alias(of_the_run=Case(When(of_the_run, then=True), default=False))
+        .filter(of_the_run=False)
+        .order_by("-pk")
+        .values_list("pk", flat=True)
+        .first()
+    )
+    run = events.filter(pk__lte=newest.pk, pk__gt=boundary or 0)
+    extent = run.aggregate(count=Count("pk"), oldest=Min("pk"))
+    oldest = newest if extent["oldest"] == newest.pk else events.get(pk=extent["oldest"])
+    return ActionLine(newest=newest, oldest=oldest, count=extent["count"])
