@@ -17,7 +17,7 @@ from django.contrib import messages
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Min, Value
-from django.http import HttpRequest, HttpResponse
+from django.http import FileResponse, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -27,7 +27,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from ledger import chain, policy
 from ledger.audit import invocations_naming
 from ledger.capabilities import awaiting_its_probe
-from ledger.integrity import archive_name, bundle_archive, restore_projection
+from ledger.integrity import archive_name, restore_projection
 from ledger.metrics import background_work, probe_run_counts, probe_runs_per_capability
 from ledger.models import (
     FLAGGED_STATUSES,
@@ -50,6 +50,7 @@ from ledger.services import (
     with_heads,
 )
 from ledger.templatetags.console import as_json
+from ledger.views import bundle_download
 from reconciliation import services
 from reconciliation.forms import (
     DecisionForm,
@@ -376,16 +377,14 @@ def invocation_page(request: HttpRequest, invocation_id: str) -> HttpResponse:
 
 @require_GET
 @role_required(*READERS)
-def invocation_bundle(request: HttpRequest, invocation_id: str) -> HttpResponse:
+def invocation_bundle(request: HttpRequest, invocation_id: str) -> FileResponse:
     """The invocation's evidence bundle, with the verifier that checks it offline."""
     invocation = _invocation(invocation_id)
-    top = archive_name(invocation.invocation_id)
-    archive = bundle_archive(
-        top, f"invocation {invocation.invocation_id}", invocation_id=invocation.invocation_id
+    return bundle_download(
+        archive_name(invocation.invocation_id),
+        f"invocation {invocation.invocation_id}",
+        invocation_id=invocation.invocation_id,
     )
-    response = HttpResponse(archive, content_type="application/zip")
-    response["Content-Disposition"] = f'attachment; filename="{top}.zip"'
-    return response
 
 
 def _after_action(request: HttpRequest, invocation_id: str, done: str) -> HttpResponse:

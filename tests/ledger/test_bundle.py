@@ -11,6 +11,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -54,6 +55,18 @@ def forge(folder: Path, name: str, text: str) -> None:
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"][name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
     (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def downloaded(response: Any) -> bytes:
+    """A download's bytes: the archive is streamed from a temporary file."""
+    return b"".join(response.streaming_content)
+
+
+def bundled(content: bytes, name: str) -> str:
+    """One file of a downloaded bundle."""
+    with zipfile.ZipFile(io.BytesIO(content)) as archive:
+        (path,) = [path for path in archive.namelist() if path.endswith(f"/{name}")]
+        return archive.read(path).decode()
 
 
 def test_an_exported_bundle_verifies_offline(bundle: Path) -> None:
@@ -202,7 +215,7 @@ def test_the_console_hands_over_one_invocations_bundle_with_its_verifier(
     assert response.status_code == 200 and response["Content-Type"] == "application/zip"
     assert response["Content-Disposition"] == 'attachment; filename="evidence-inv-2.zip"'
     archive = tmp_path / "evidence-inv-2.zip"
-    archive.write_bytes(response.content)
+    archive.write_bytes(downloaded(response))
     with zipfile.ZipFile(archive) as opened:
         names = set(opened.namelist())
         opened.extractall(tmp_path / "received")
@@ -222,7 +235,7 @@ def test_the_console_hands_over_one_invocations_bundle_with_its_verifier(
 
 
 def test_a_downloaded_bundle_changed_by_one_byte_fails(bundle: Path, tmp_path: Path) -> None:
-    content = person("cora", "compliance").get("/invocations/inv-2/bundle.zip").content
+    content = downloaded(person("cora", "compliance").get("/invocations/inv-2/bundle.zip"))
     changed = tmp_path / "changed.zip"
     with zipfile.ZipFile(io.BytesIO(content)) as original, zipfile.ZipFile(changed, "w") as out:
         for item in original.infolist():
@@ -248,13 +261,6 @@ def test_a_bundle_of_no_invocation_or_no_bundle_is_refused(
     )  # fmt: skip
 
 
-def bundled(content: bytes, name: str) -> str:
-    """One file of a downloaded bundle."""
-    with zipfile.ZipFile(io.BytesIO(content)) as archive:
-        (path,) = [path for path in archive.namelist() if path.endswith(f"/{name}")]
-        return archive.read(path).decode()
-
-
 def test_the_audit_search_hands_over_the_bundle_of_what_it_finds(
     bundle: Path, api: Api, tmp_path: Path
 ) -> None:
@@ -269,17 +275,18 @@ def test_the_audit_search_hands_over_the_bundle_of_what_it_finds(
     assert re.fullmatch(
         r'attachment; filename="evidence-search-\d{8}T\d{6}\.zip"', response["Content-Disposition"]
     )
+    content = downloaded(response)
     archive = tmp_path / "search.zip"
-    archive.write_bytes(response.content)
+    archive.write_bytes(content)
     result = verify(archive)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[0] == "OK: 7 events and 1 seal verified"
-    events = [json.loads(line) for line in bundled(response.content, "events.jsonl").splitlines()]
+    events = [json.loads(line) for line in bundled(content, "events.jsonl").splitlines()]
     assert {json.loads(e["body"])["invocation_id"] for e in events} == {"inv-1", "inv-2", "inv-3"}
-    manifest = json.loads(bundled(response.content, "manifest.json"))
+    manifest = json.loads(bundled(content, "manifest.json"))
     assert manifest["scope"]["search"] == {"capability": "refund.create"}
     assert "the 3 invocations an audit search found (capability=refund.create)" in bundled(
-        response.content, "README.txt"
+        content, "README.txt"
     )
 
 
