@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hmac
+import json
 import logging
 from typing import Any
 
@@ -224,6 +225,8 @@ def audit_export(request: HttpRequest, fmt: str) -> HttpResponse | StreamingHttp
         # Exporting everything in place of a filter that did not parse would hand
         # the reviewer the wrong evidence.
         return HttpResponseBadRequest(form.errors.as_text(), content_type="text/plain")
+    given = ", ".join(f"{name}={value}" for name, value in filters_given(form.cleaned_data).items())
+    exported(request, f"{fmt.upper()} of the audit search ({given or 'no filter'})")
     rows = export_rows(form.cleaned_data)
     lines = csv_lines(rows) if fmt == "csv" else jsonl_lines(rows)
     content_type = "text/csv" if fmt == "csv" else "application/x-ndjson"
@@ -253,12 +256,19 @@ def audit_bundle(request: HttpRequest) -> HttpResponse | FileResponse:
     top = archive_name(f"search-{timezone.now():%Y%m%dT%H%M%S}")
     given = ", ".join(f"{name}={value}" for name, value in filters_given(form.cleaned_data).items())
     holding = f"the {counted(count, 'invocation')} an audit search found ({given or 'no filter'})"
-    return bundle_download(top, holding, searched=form.cleaned_data)
+    return bundle_download(request, top, holding, searched=form.cleaned_data)
 
 
-def bundle_download(top: str, holding: str, **scope: Any) -> FileResponse:
+def exported(request: HttpRequest, what: str) -> None:
+    """Who took evidence out of the ledger, and what: the web's log keeps it."""
+    user = request.user.get_username()
+    logger.info("evidence exported by=user:%s what=%s", user, json.dumps(what))
+
+
+def bundle_download(request: HttpRequest, top: str, holding: str, **scope: Any) -> FileResponse:
     """An evidence bundle (`bundle_archive`) sent as `<top>.zip`, streamed from disk."""
     archive = bundle_archive(top, holding, **scope)
+    exported(request, f"bundle of {holding}")
     return FileResponse(
         archive, as_attachment=True, filename=f"{top}.zip", content_type="application/zip"
     )

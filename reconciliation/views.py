@@ -381,6 +381,7 @@ def invocation_bundle(request: HttpRequest, invocation_id: str) -> FileResponse:
     """The invocation's evidence bundle, with the verifier that checks it offline."""
     invocation = _invocation(invocation_id)
     return bundle_download(
+        request,
         archive_name(invocation.invocation_id),
         f"invocation {invocation.invocation_id}",
         invocation_id=invocation.invocation_id,

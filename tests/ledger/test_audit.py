@@ -239,14 +239,23 @@ def test_a_forged_cursor_is_refused_by_name(history: None, reviewer: Client) -> 
     assert "not a page cursor from this search" in page
 
 
-def test_an_export_with_a_bad_filter_is_refused(history: None, reviewer: Client) -> None:
+def test_an_export_with_a_bad_filter_is_refused(
+    history: None, reviewer: Client, caplog: pytest.LogCaptureFixture
+) -> None:
     response = reviewer.get("/audit/export.csv", {"since": "last march"})
     assert response.status_code == 400 and b"since" in response.content
+    assert "evidence exported" not in caplog.text
 
 
-def test_the_csv_export_round_trips_with_every_event_hash(history: None, reviewer: Client) -> None:
+def test_the_csv_export_round_trips_with_every_event_hash(
+    history: None, reviewer: Client, caplog: pytest.LogCaptureFixture
+) -> None:
     response = reviewer.get("/audit/export.csv", {"capability": "refund.create"})
     assert response.streaming
+    said = (
+        'evidence exported by=user:cora what="CSV of the audit search (capability=refund.create)"'
+    )
+    assert said in caplog.text
     body = b"".join(response.streaming_content).decode()  # type: ignore[attr-defined]
     rows = list(csv.DictReader(io.StringIO(body)))
     events = Event.objects.filter(invocation__capability_scope="refund.create")

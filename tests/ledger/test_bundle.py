@@ -204,7 +204,7 @@ def forge_everything(folder: Path) -> None:
 
 
 def test_the_console_hands_over_one_invocations_bundle_with_its_verifier(
-    bundle: Path, tmp_path: Path
+    bundle: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Compliance downloads an invocation's bundle from its page: a zip that checks with
     the verifier inside it, in a Python with nothing installed, or with a checkout's."""
@@ -214,6 +214,7 @@ def test_the_console_hands_over_one_invocations_bundle_with_its_verifier(
     response = reviewer.get("/invocations/inv-2/bundle.zip")
     assert response.status_code == 200 and response["Content-Type"] == "application/zip"
     assert response["Content-Disposition"] == 'attachment; filename="evidence-inv-2.zip"'
+    assert 'evidence exported by=user:cora what="bundle of invocation inv-2"' in caplog.text
     archive = tmp_path / "evidence-inv-2.zip"
     archive.write_bytes(downloaded(response))
     with zipfile.ZipFile(archive) as opened:
@@ -262,7 +263,7 @@ def test_a_bundle_of_no_invocation_or_no_bundle_is_refused(
 
 
 def test_the_audit_search_hands_over_the_bundle_of_what_it_finds(
-    bundle: Path, api: Api, tmp_path: Path
+    bundle: Path, api: Api, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.intent(invocation_id="inv-x", idempotency_key="k-x", capability="pay.other")
     reviewer = person("cora", "compliance")
@@ -285,9 +286,9 @@ def test_the_audit_search_hands_over_the_bundle_of_what_it_finds(
     assert {json.loads(e["body"])["invocation_id"] for e in events} == {"inv-1", "inv-2", "inv-3"}
     manifest = json.loads(bundled(content, "manifest.json"))
     assert manifest["scope"]["search"] == {"capability": "refund.create"}
-    assert "the 3 invocations an audit search found (capability=refund.create)" in bundled(
-        content, "README.txt"
-    )
+    holding = "the 3 invocations an audit search found (capability=refund.create)"
+    assert holding in bundled(content, "README.txt")
+    assert f'evidence exported by=user:cora what="bundle of {holding}"' in caplog.text
 
 
 def test_a_search_bundle_of_too_many_or_none_or_a_bad_filter_is_refused(
