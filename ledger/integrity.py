@@ -848,7 +848,7 @@ def export_bundle(
 VERIFIER_FILES = ("ledger/__init__.py", "ledger/policy.py", "ledger/verify_bundle.py")
 ARCHIVE_README = """\
 Evidence bundle of {holding}, exported {exported} (UTC) by the Invocation Ledger.
-To check it, with Python 3.12 and nothing else, in this folder:
+To check it, with Python 3.11 or later and nothing else, in this folder:
 
     python3 -m ledger.verify_bundle .
 

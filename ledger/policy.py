@@ -3,8 +3,8 @@
 No Django here: the services load an invocation into an `InvocationState`, ask this
 module what the next state is, and persist what it answers. Every transition either
 returns a new state or raises `Refused` with the typed reason the API reports.
-`replay` checks a recorded history against the same rules. Standard library only:
-the offline bundle verifier imports this module.
+`replay` checks a recorded history against the same rules. Standard library only,
+and Python 3.11: the offline bundle verifier imports this module.
 """
 
 from __future__ import annotations
@@ -548,7 +548,9 @@ def explains(
     return any(flags <= after.flags <= flags | beside for flags in flags_added_by)
 
 
-type Unflagged = tuple[object, ...]
+# (An assignment, not a `type` statement: the offline verifier imports this module,
+# and Python 3.11, which Debian 12 ships, has no `type` statement.)
+Unflagged = tuple[object, ...]
 
 
 def _unflagged(state: InvocationState, in_flight_attempt: str | None) -> Unflagged:

@@ -1,4 +1,4 @@
-"""Verify an evidence bundle offline — Python's standard library only.
+"""Verify an evidence bundle offline — Python 3.11 or later, its standard library only.
 
     python -m ledger.verify_bundle BUNDLE_DIR     # or the console's evidence-....zip
 

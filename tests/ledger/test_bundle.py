@@ -235,6 +235,29 @@ def test_the_console_hands_over_one_invocations_bundle_with_its_verifier(
     assert verify(archive).stdout.splitlines()[0] == "OK: 3 events and 1 seal verified"
 
 
+# The oldest Python the bundle's README names; Debian 12's own python3.
+OLDEST_PYTHON = Path("/usr/bin/python3.11")
+
+
+@pytest.mark.skipif(
+    not OLDEST_PYTHON.exists(),
+    reason="needs Debian's Python 3.11 at /usr/bin/python3.11 (apt-get install python3.11)",
+)
+def test_a_received_bundle_checks_with_the_oldest_python_its_readme_names(
+    bundle: Path, tmp_path: Path
+) -> None:
+    content = downloaded(person("cora", "compliance").get("/invocations/inv-2/bundle.zip"))
+    with zipfile.ZipFile(io.BytesIO(content)) as archive:
+        archive.extractall(tmp_path)
+        assert "with Python 3.11 or later" in archive.read("evidence-inv-2/README.txt").decode()
+    received = subprocess.run(
+        [str(OLDEST_PYTHON), "-S", "-m", "ledger.verify_bundle", "."],
+        cwd=tmp_path / "evidence-inv-2", capture_output=True, text=True,
+    )  # fmt: skip
+    assert received.returncode == 0, received.stdout + received.stderr
+    assert received.stdout.splitlines()[0] == "OK: 3 events and 1 seal verified"
+
+
 def test_a_downloaded_bundle_changed_by_one_byte_fails(bundle: Path, tmp_path: Path) -> None:
     content = downloaded(person("cora", "compliance").get("/invocations/inv-2/bundle.zip"))
     changed = tmp_path / "changed.zip"
