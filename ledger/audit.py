@@ -113,6 +113,12 @@ def filters_given(data: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
+def filters_described(data: Mapping[str, Any]) -> str:
+    """The filters a search was given, in a line: `capability=refund.create, ...`."""
+    given = filters_given(data)
+    return ", ".join(f"{name}={value}" for name, value in given.items()) or "no filter"
+
+
 def search(data: Mapping[str, Any]) -> QuerySet[Invocation]:
     """The invocations matching the filters, in time order, after the page cursor."""
     rows = Invocation.objects.select_related("runtime")

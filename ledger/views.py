@@ -32,7 +32,7 @@ from ledger.audit import (
     action_lines,
     csv_lines,
     export_rows,
-    filters_given,
+    filters_described,
     jsonl_lines,
     page_cursor,
     search,
@@ -225,8 +225,7 @@ def audit_export(request: HttpRequest, fmt: str) -> HttpResponse | StreamingHttp
         # Exporting everything in place of a filter that did not parse would hand
         # the reviewer the wrong evidence.
         return HttpResponseBadRequest(form.errors.as_text(), content_type="text/plain")
-    given = ", ".join(f"{name}={value}" for name, value in filters_given(form.cleaned_data).items())
-    exported(request, f"{fmt.upper()} of the audit search ({given or 'no filter'})")
+    exported(request, f"{fmt.upper()} of the audit search ({filters_described(form.cleaned_data)})")
     rows = export_rows(form.cleaned_data)
     lines = csv_lines(rows) if fmt == "csv" else jsonl_lines(rows)
     content_type = "text/csv" if fmt == "csv" else "application/x-ndjson"
@@ -254,8 +253,8 @@ def audit_bundle(request: HttpRequest) -> HttpResponse | FileResponse:
         )
         return HttpResponseBadRequest(refusal, content_type="text/plain")
     top = archive_name(f"search-{timezone.now():%Y%m%dT%H%M%S}")
-    given = ", ".join(f"{name}={value}" for name, value in filters_given(form.cleaned_data).items())
-    holding = f"the {counted(count, 'invocation')} an audit search found ({given or 'no filter'})"
+    given = filters_described(form.cleaned_data)
+    holding = f"the {counted(count, 'invocation')} an audit search found ({given})"
     return bundle_download(request, top, holding, searched=form.cleaned_data)
 
 
