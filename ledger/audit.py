@@ -266,7 +266,8 @@ class ActionLine:
 
     newest: Event
     oldest: Event
-    count: int = 1
+    count: int = 1  # events
+    invocations: int = 1  # an operator may re-run a capability's probes twice in a row
 
     @property
     def operator(self) -> str:
@@ -320,6 +321,8 @@ def _line_from(events: QuerySet[Event], newest: Event) -> ActionLine:
         .first()
     )
     run = events.filter(pk__lte=newest.pk, pk__gt=boundary or 0)
-    extent = run.aggregate(count=Count("pk"), oldest=Min("pk"))
+    extent = run.aggregate(
+        count=Count("pk"), invocations=Count("invocation", distinct=True), oldest=Min("pk")
+    )
     oldest = newest if extent["oldest"] == newest.pk else events.get(pk=extent["oldest"])
-    return ActionLine(newest=newest, oldest=oldest, count=extent["count"])
+    return ActionLine(newest, oldest, extent["count"], extent["invocations"])

@@ -1229,6 +1229,8 @@ def test_the_action_log_gives_a_rerun_one_line_and_drops_no_action(
     services.probe_requested(invocation_id="inv-7", actor="user:olga", queued=True)
     for batch in (["inv-1", "inv-2"], ["inv-3", "inv-4"], ["inv-5", "inv-6"]):
         probes_requested(capability=refund, invocation_ids=batch, actor="user:olga")
+    # Asked again a minute later, for one escalated again meanwhile: the same line.
+    probes_requested(capability=refund, invocation_ids=["inv-1"], actor="user:olga")
     invocation_assign(invocation_id="inv-7", actor="user:petra", take=True)
 
     page = person("cora", "compliance").get("/audit/actions/").content.decode()
@@ -1240,7 +1242,8 @@ def test_the_action_log_gives_a_rerun_one_line_and_drops_no_action(
         ["user:olga", "probe_requested", "inv-7"],
         ["user:olga", "unassigned", "inv-0"],
     ]
-    assert "6 invocations, " in page and 'href="/invocations/inv-1/">inv-1</a> …' in page
+    assert "6 invocations (7 requests), " in page
+    assert 'href="/invocations/inv-1/">inv-1</a> … <a href="/invocations/inv-1/">' in page
     assert "?operator=olga&amp;capability=refund.create" in page
 
     people = Event.objects.filter(actor__startswith="user:").select_related("invocation")
@@ -1257,7 +1260,7 @@ def test_the_action_log_gives_a_rerun_one_line_and_drops_no_action(
         assert sum(count for *_, count in seen) == total  # every event, on one line each
         newest_first = [pk for newest, oldest, _ in seen for pk in (newest, oldest)]
         assert newest_first == sorted(newest_first, reverse=True)
-        assert [count for *_, count in seen] == [1, 6, 1, 1, 1]
+        assert [count for *_, count in seen] == [1, 7, 1, 1, 1]
 
 
 def test_probes_are_not_rerun_for_whom_none_may_settle(
