@@ -26,9 +26,9 @@ from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
-from reconciliation import services, tasks, views
+from reconciliation import tasks, views
 from reconciliation.forms import QueueFilterForm
-from reconciliation.services import invocation_assign, probes_requested
+from reconciliation.services import invocation_assign, probe_requested, probes_requested
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, request_probes
 from tests.conftest import Api, invocation_rows_read, person, process_env, registered
@@ -1214,8 +1214,8 @@ def test_the_action_log_gives_a_rerun_one_line_and_drops_no_action(
     api: Api, refund: Capability, standin: StandInService
 ) -> None:
     """A re-run of a capability's probes acts on every escalation it could settle, each
-    with an event: the log says so once, not once for each, however many pages of
-    events it reads, and every other action keeps its line."""
+    with an event: the log says so once, not once for each, whatever the size of its
+    pages, and every other action keeps its line."""
     for n in range(8):
         reported_lost(api, f"inv-{n}")
         reconcile_invocation.run(f"inv-{n}")
@@ -1226,7 +1226,7 @@ def test_the_action_log_gives_a_rerun_one_line_and_drops_no_action(
     invocation_assign(invocation_id="inv-0", actor="user:olga", take=True)
     invocation_assign(invocation_id="inv-0", actor="user:olga", take=False)
     # One invocation's probe, asked for on its page: a line of its own, next to the run.
-    services.probe_requested(invocation_id="inv-7", actor="user:olga", queued=True)
+    probe_requested(invocation_id="inv-7", actor="user:olga", queued=True)
     for batch in (["inv-1", "inv-2"], ["inv-3", "inv-4"], ["inv-5", "inv-6"]):
         probes_requested(capability=refund, invocation_ids=batch, actor="user:olga")
     # Asked again a minute later, for one escalated again meanwhile: the same line.
