@@ -218,7 +218,7 @@ def _chain_breaks(chained: Chain) -> Iterator[Break]:
     broken = list(_link_breaks(chained.invocation_id, chained.links))
     yield from broken
     last = chained.links[-1]
-    if not broken and (chained.event_count, chained.head_hash) != (last.seq, last.hash):
+    if not broken and _head_differs(chained, last):
         yield Break(
             "chain",
             f"invocation {chained.invocation_id} head",
@@ -244,8 +244,9 @@ def _transition_breaks(invocation_id: str, events: Sequence[Link]) -> Iterator[B
         yield Break("transition", where, unexplained.expected, unexplained.found)
 
 
-def _head_differs(invocation: Invocation, last: Link) -> bool:
-    return (invocation.event_count, invocation.head_hash) != (last.seq, last.hash)
+def _head_differs(row: Invocation | Chain, last: Link) -> bool:
+    """Whether the row counts another event than `last` as its last."""
+    return (row.event_count, row.head_hash) != (last.seq, last.hash)
 
 
 def _projection_breaks(invocation: Invocation, events: Sequence[Link]) -> Iterator[Break]:
@@ -879,18 +880,22 @@ def bundle_archive(top: str, holding: str, **scope: Any) -> IO[bytes]:
     source = Path(__file__).resolve().parent.parent
     # Open for the caller, who closes it (a FileResponse does, once it is sent).
     archived = tempfile.TemporaryFile()  # noqa: SIM115
-    with (
-        tempfile.TemporaryDirectory() as exported,
-        zipfile.ZipFile(archived, "w", zipfile.ZIP_DEFLATED) as archive,
-    ):
-        export_bundle(Path(exported), **scope)
-        for path in sorted(Path(exported).iterdir()):
-            archive.write(path, f"{top}/{path.name}")
-        for name in VERIFIER_FILES:
-            archive.write(source / name, f"{top}/{name}")
-        exported_at = timezone.now().strftime("%Y-%m-%d %H:%M")
-        archive.writestr(
-            f"{top}/README.txt", ARCHIVE_README.format(holding=holding, exported=exported_at)
-        )
+    try:
+        with (
+            tempfile.TemporaryDirectory() as exported,
+            zipfile.ZipFile(archived, "w", zipfile.ZIP_DEFLATED) as archive,
+        ):
+            export_bundle(Path(exported), **scope)
+            for path in sorted(Path(exported).iterdir()):
+                archive.write(path, f"{top}/{path.name}")
+            for name in VERIFIER_FILES:
+                archive.write(source / name, f"{top}/{name}")
+            exported_at = timezone.now().strftime("%Y-%m-%d %H:%M")
+            archive.writestr(
+                f"{top}/README.txt", ARCHIVE_README.format(holding=holding, exported=exported_at)
+            )
+    except BaseException:
+        archived.close()  # nobody else will: the caller never gets it
+        raise
     archived.seek(0)
     return archived
