@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -713,6 +714,21 @@ def verify_next_slice(
             running.break_count,
         )
     return running
+
+
+def verify_slices_for(*, seconds: float, invocations: int) -> int:
+    """Slices of `invocations` (`verify_next_slice`, a transaction each, so that no
+    lock or snapshot is held for long) until `seconds` have passed, the running pass
+    has finished, or another run holds the lock; how many slices were checked. At
+    least one: `seconds=0` is a slice a run. A finished pass ends the run: a small
+    ledger is verified once an interval, not over and over."""
+    deadline = time.monotonic() + seconds
+    slices = 0
+    while (verified := verify_next_slice(invocations=invocations)) is not None:
+        slices += 1
+        if verified.finished_at is not None or time.monotonic() >= deadline:
+            break
+    return slices
 
 
 def newest_passes() -> tuple[VerificationPass | None, VerificationPass | None]:

@@ -341,11 +341,17 @@ LEDGER_PROBE_SECRETS = {
 # Python probes that may be named in a capability's probe configuration.
 LEDGER_PYTHON_PROBES = [p for p in os.environ.get("LEDGER_PYTHON_PROBES", "").split(",") if p]
 LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60, minimum=1)
-# Background verification: every interval, the running pass checks this many more
-# invocations (every event of each) and the seals that follow; a pass covers the whole
-# ledger as it was when it started, then the next one starts.
+# Background verification: every interval, the running pass checks slices of this many
+# more invocations (every event of each) and the seals that follow, one transaction
+# each, until it has spent LEDGER_VERIFY_SECONDS (0: one slice) or finished; a pass
+# covers the whole ledger as it was when it started, then the next one starts. The
+# time, not a count, bounds the worker's and the database's share: 3 s a minute is a
+# pass over a million one-event invocations in about half an hour, an hour and a half
+# where every chain holds four events, rather than eight hours or more at one slice a
+# minute.
 LEDGER_VERIFY_INTERVAL_SECONDS = env_int("LEDGER_VERIFY_INTERVAL_SECONDS", 60, minimum=1)
 LEDGER_VERIFY_SLICE = env_int("LEDGER_VERIFY_SLICE", 2000, minimum=1)
+LEDGER_VERIFY_SECONDS = env_int("LEDGER_VERIFY_SECONDS", 3)
 # The rate-limit watch reads what the sealer numbered since its last run, so it sees
 # an admission up to one seal interval plus one of its own after it was made.
 LEDGER_RATE_WATCH_INTERVAL_SECONDS = env_int("LEDGER_RATE_WATCH_INTERVAL_SECONDS", 60, minimum=1)

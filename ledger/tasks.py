@@ -8,7 +8,7 @@ from celery import shared_task
 from django.conf import settings
 
 from ledger import integrity, partitions, rate_limits, shared_references
-from ledger.integrity import seal_events, verify_next_slice
+from ledger.integrity import seal_events, verify_slices_for
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,14 @@ def seal_new_events() -> int:
 
 
 @shared_task(acks_late=True, ignore_result=True)
-def verify_next_slice_of_the_ledger() -> None:
+def verify_next_slice_of_the_ledger() -> int:
     """Beat runs this every LEDGER_VERIFY_INTERVAL_SECONDS: the running verification
-    pass checks the next LEDGER_VERIFY_SLICE invocations and the seals that follow,
-    logging each break it finds (`ledger.integrity.verify_next_slice`)."""
-    verify_next_slice(invocations=settings.LEDGER_VERIFY_SLICE)
+    pass checks slices of LEDGER_VERIFY_SLICE invocations and the seals that follow
+    for LEDGER_VERIFY_SECONDS, logging each break it finds
+    (`ledger.integrity.verify_slices_for`); returns how many slices it checked."""
+    return verify_slices_for(
+        seconds=settings.LEDGER_VERIFY_SECONDS, invocations=settings.LEDGER_VERIFY_SLICE
+    )
 
 
 @shared_task(acks_late=True, ignore_result=True)

@@ -23,6 +23,7 @@ from ledger.integrity import (
     seal_events,
     verify,
     verify_next_slice,
+    verify_slices_for,
 )
 from ledger.models import AdminAction, Event, Invocation, RuntimeToken, Seal, VerificationPass
 from tests.conftest import Api, person
@@ -196,8 +197,27 @@ def test_a_run_while_another_holds_the_lock_does_nothing(ledger: Api) -> None:
     with psycopg.connect(**params, autocommit=False) as other:
         other.execute("SELECT pg_advisory_xact_lock(hashtext('ledger.verify_next_slice'))")
         assert verify_next_slice(invocations=10) is None
+        assert verify_slices_for(seconds=60, invocations=10) == 0
         assert not VerificationPass.objects.exists()
     assert verify_next_slice(invocations=10) is not None
+
+
+def test_a_run_checks_slices_for_its_time_and_stops_at_the_end_of_its_pass(
+    ledger: Api,
+) -> None:
+    assert verify_slices_for(seconds=0, invocations=1) == 1
+    running = VerificationPass.objects.get()
+    assert (running.invocations, running.finished_at) == (1, None)
+
+    # Time for many more: the pass's other three invocations, a slice each, and no
+    # second pass over a ledger that was just verified whole.
+    assert verify_slices_for(seconds=600, invocations=1) == 3
+    finished = VerificationPass.objects.get()
+    assert (finished.invocations, finished.events, finished.break_count) == (4, 10, 0)
+    assert finished.finished_at is not None
+
+    assert verify_slices_for(seconds=600, invocations=3) == 2
+    assert VerificationPass.objects.filter(finished_at__isnull=False).count() == 2
 
 
 @pytest.mark.rewrites_history
