@@ -102,10 +102,19 @@ def test_an_operator_filters_opens_resolves_and_the_item_leaves_the_queue(
     page.click("text=inv-1")
     expect(page.locator(".timeline li").first).to_contain_text("chain verified")
     page.check("input[value=effect_absent]")
-    page.fill("#id_note", "No refund in the payments console for this key.")
+    page.fill(
+        "#id_note",
+        "No refund in the payments console for this key, nor in the day's settlement file "
+        "that the payments team sent this morning.",
+    )
     page.click("form.resolve button[type=submit]")
     expect(page.locator("dd.status")).to_have_text("retry_allowed")
     expect(page.locator("main")).to_contain_text("Resolved: retry_allowed.")
+    # However long the note, the chain's status stays on its entry's first line, inside it.
+    entry = page.locator(".timeline li").last
+    box, status = entry.bounding_box(), entry.locator(".chain").bounding_box()
+    assert box is not None and status is not None
+    assert box["y"] < status["y"] < box["y"] + 20 < box["y"] + box["height"]
     page.click("text=Queue")
     expect(page.locator("#queue-rows")).not_to_contain_text("inv-1")
     assert Invocation.objects.get(invocation_id="inv-1").status == "retry_allowed"

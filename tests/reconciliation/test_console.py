@@ -230,6 +230,10 @@ def test_high_risk_needs_a_second_different_approver(
     page = self_approver.get("/invocations/inv-1/").content.decode()
     assert '<label for="id_note">note (optional)</label>' in page
     assert "A person's resolution awaits a second person below." in page
+    assert (
+        '<p class="proposed">user:olga says <strong>the effect happened</strong>, business '
+        "reference <code>RF-1</code>: “seen it”</p>"
+    ) in page
     assert "Resolve it below" not in page
     assert "named by the proposed resolution" in references_section(page.encode())
     self_approver.post("/invocations/inv-1/reject", {"seen_event_count": seen, "note": "check"})
