@@ -312,6 +312,8 @@ LEDGER_DEFAULT_MAX_ATTEMPTS = env_int("LEDGER_DEFAULT_MAX_ATTEMPTS", 5, minimum=
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://localhost//")
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
 if CELERY_BROKER_URL.startswith("filesystem://"):
+    # Kombu's, with messages that a worker never finds half-written (ledger/broker.py).
+    CELERY_BROKER_TRANSPORT = "ledger.broker:Transport"
     _queue_dir = str(EMBEDDED_BROKER_DIR / "queue")
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": _queue_dir,

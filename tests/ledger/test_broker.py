@@ -1,0 +1,128 @@
+"""The embedded broker (ledger/broker.py): a worker never takes a message that is
+still being written, so it neither stops on it nor loses it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import pytest
+from kombu import Connection
+from kombu.transport import filesystem
+from kombu.transport.virtual import Channel
+
+from ledger import broker
+from tests.conftest import ROOT
+
+
+def folders(root: Path) -> dict[str, Any]:
+    (root / "queue").mkdir(exist_ok=True)
+    (root / "control").mkdir(exist_ok=True)
+    queue = str(root / "queue")
+    return {
+        "data_folder_in": queue,
+        "data_folder_out": queue,
+        "control_folder": str(root / "control"),
+    }
+
+
+@pytest.fixture
+def channel(tmp_path: Path) -> Iterator[Channel]:
+    with Connection(transport=broker.Transport, transport_options=folders(tmp_path)) as connection:
+        yield connection.default_channel
+
+
+def test_a_message_being_written_is_not_there_yet_then_whole(
+    channel: Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen_while_written = []
+
+    def replace_once_a_worker_has_looked(src: str, dst: str) -> None:
+        try:
+            seen_while_written.append(channel._get("tasks"))
+        except Empty:
+            seen_while_written.append(None)
+        real_replace(src, dst)
+
+    real_replace = broker.os.replace
+    monkeypatch.setattr(broker.os, "replace", replace_once_a_worker_has_looked)
+    channel._put("tasks", {"body": "verify the next slice"})
+
+    assert seen_while_written == [None]
+    assert channel._get("tasks") == {"body": "verify the next slice"}
+    with pytest.raises(Empty):
+        channel._get("tasks")
+
+
+def test_kombus_own_transport_still_hands_a_worker_an_empty_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why ledger/broker.py exists (celery/kombu#1551). When this fails, Kombu writes a
+    message whole before a worker can see it, and the module can go."""
+    with Connection(transport=filesystem.Transport, transport_options=folders(tmp_path)) as c:
+        channel = c.default_channel
+        real_dumps = filesystem.dumps
+
+        def dumps_once_a_worker_has_looked(payload: Any) -> str:
+            channel._get("tasks")
+            return real_dumps(payload)
+
+        monkeypatch.setattr(filesystem, "dumps", dumps_once_a_worker_has_looked)
+        with pytest.raises(json.JSONDecodeError):
+            channel._put("tasks", {"body": "verify the next slice"})
+
+
+PRODUCE = """
+import json, sys
+from kombu import Connection
+options = json.loads(sys.argv[1])
+with Connection(transport="ledger.broker:Transport", transport_options=options) as c:
+    queue = c.SimpleQueue("tasks")
+    for n in range(int(sys.argv[3])):
+        queue.put({"from": sys.argv[2], "n": n, "padding": "x" * 4000})
+"""
+CONSUME = """
+import json, sys
+from kombu import Connection
+options = {**json.loads(sys.argv[1]), "polling_interval": 0}
+taken = []
+with Connection(transport="ledger.broker:Transport", transport_options=options) as c:
+    queue = c.SimpleQueue("tasks")
+    while True:
+        try:
+            message = queue.get(timeout=float(sys.argv[2]))
+        except queue.Empty:
+            break
+        taken.append([message.payload["from"], message.payload["n"]])
+        message.ack()
+print(json.dumps(taken))
+"""
+
+
+def test_workers_take_every_message_of_busy_producers_once(tmp_path: Path) -> None:
+    """Three processes put 500 messages each while two take them as fast as they can:
+    with Kombu's own transport, one of the takers stopped on an empty message in
+    most runs, and messages were lost."""
+
+    def python(code: str, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(folders(tmp_path)), *args],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    takers = [python(CONSUME, "5") for _ in range(2)]
+    producers = [python(PRODUCE, str(n), "500") for n in range(3)]
+    for producer in producers:
+        assert producer.wait(timeout=120) == 0
+    taken = []
+    for taker in takers:
+        out, err = taker.communicate(timeout=120)
+        assert taker.returncode == 0, err
+        taken += [tuple(message) for message in json.loads(out)]
+
+    assert sorted(taken) == [(str(p), n) for p in range(3) for n in range(500)]
