@@ -7,7 +7,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from django.db.models.fields.json import KeyTransform
 from django.utils import timezone
 
 from ledger import policy
-from ledger.chain import GENESIS_HASH, event_hash, redact
+from ledger.chain import GENESIS_HASH, REDACTED, SECRET_KEY_PATTERN, event_hash, redact
 from ledger.identifiers import IDENTIFIER_HINT, IDENTIFIER_REGEX
 from ledger.probe_config import validate_probe_config
 
@@ -914,6 +914,32 @@ class VerificationPass(models.Model):
         ]
 
 
+def _shown(path: str, value: Any) -> str:
+    """A setting's value as the console shows it: whole masked under a secret-looking
+    key (`probe.headers.Authorization`), its own secret-looking keys masked."""
+    if SECRET_KEY_PATTERN.search(path.rpartition(".")[2]):
+        return json.dumps(REDACTED)
+    return json.dumps(redact(value))
+
+
+def _changed(path: str, before: Any, after: Any) -> Iterator[str]:
+    """`path: before → after`; where both are settings of several keys (a probe), one
+    line for each key that changed, named by its path (`probe.url`), `absent` where
+    there is none. A secret that changed shows so, masked both sides."""
+    several = isinstance(before, dict) and isinstance(after, dict) and before and after
+    if not several or SECRET_KEY_PATTERN.search(path.rpartition(".")[2]):
+        yield f"{path}: {_shown(path, before)} → {_shown(path, after)}"
+        return
+    for key in sorted(before.keys() | after.keys()):
+        inner = f"{path}.{key}"
+        if key not in after:
+            yield f"{inner}: {_shown(inner, before[key])} → absent"
+        elif key not in before:
+            yield f"{inner}: absent → {_shown(inner, after[key])}"
+        elif before[key] != after[key]:
+            yield from _changed(inner, before[key], after[key])
+
+
 class AdminAction(models.Model):
     """What administrators did outside any invocation: tokens issued and revoked,
     capability declarations registered, capability settings changed.
@@ -947,12 +973,14 @@ class AdminAction(models.Model):
 
     @property
     def change(self) -> str:
-        """What `details` says, on one line, for the console: secret-looking values (a
-        probe's Authorization header, say) masked, as in stored arguments."""
+        """What `details` says, on one line, for the console: of a setting of several
+        keys (a probe), the keys that changed; secret-looking values (a probe's
+        Authorization header, say) masked, as in stored arguments."""
         if "changed" in self.details:
             return "; ".join(
-                f"{name}: {json.dumps(redact(change['from']))} → {json.dumps(redact(change['to']))}"
+                line
                 for name, change in self.details["changed"].items()
+                for line in _changed(name, change["from"], change["to"])
             )
         if "version" in self.details:
             return f"version {self.details['version']}, from {self.details.get('source', '?')}"

@@ -287,6 +287,40 @@ def test_the_action_log_page_masks_a_secret_in_a_probe_setting(db: None) -> None
     assert "&quot;Authorization&quot;: &quot;[redacted]&quot;" in page
 
 
+def test_a_probe_changed_shows_only_what_changed_and_no_secret(db: None) -> None:
+    probe = {
+        "kind": "http",
+        "url": "https://pay.example/refunds?key={idempotency_key}",
+        "headers": {"Authorization": "Bearer sk_live_old"},
+        "absent": {"status": 404},
+        "read_timeout": 2,
+    }
+    registered("refund.create", settings={"probe": probe})
+    moved = {
+        **probe,
+        "url": "https://payments.example/refunds?key={idempotency_key}",
+        "headers": {"Authorization": "Bearer sk_live_new"},
+        "absent": {"status": 404, "json_path": "error"},
+        "connect_timeout": 1,
+    }
+    del moved["read_timeout"]
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="payments moved", probe=moved
+    )
+
+    newest = AdminAction.objects.latest("id")
+    assert newest.change == (
+        'probe.absent.json_path: absent → "error"; '
+        "probe.connect_timeout: absent → 1; "
+        'probe.headers.Authorization: "[redacted]" → "[redacted]"; '
+        "probe.read_timeout: 2 → absent; "
+        'probe.url: "https://pay.example/refunds?key={idempotency_key}" → '
+        '"https://payments.example/refunds?key={idempotency_key}"'
+    )
+    page = person("cora", "compliance").get("/audit/actions/").content.decode()
+    assert "sk_live" not in page
+
+
 def test_a_capability_changed_outside_the_registry_is_put_back_on_the_record(db: None) -> None:
     declared = {"version": 1, "enabled": True, "scope": "refund.create"}
     registered("refund.create")
