@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 BIND = os.environ.get("LEDGER_BIND", "127.0.0.1:8000")
 
@@ -39,6 +40,29 @@ def start_embedded_postgres() -> object:
         server.psql("CREATE DATABASE ledger;")
     print(f"embedded PostgreSQL ready in {settings.EMBEDDED_PG_DIR}", flush=True)
     return server
+
+
+def keep_embedded_postgres_running(server: Any) -> bool:
+    """Start the embedded PostgreSQL again if it is gone (killed by the kernel for
+    memory, say), as a supervisor would; True if it had to. It recovers from its
+    write-ahead log as after a power cut, so nothing committed is lost, and the web
+    processes reconnect by themselves: until then they answer 503 ledger_unavailable,
+    safe to resend. Raises what pgserver raises when it cannot start it."""
+    import psutil  # pgserver's, on embedded defaults only
+
+    from ledger import settings
+
+    postmaster = server.get_postmaster_info().process
+    with contextlib.suppress(psutil.NoSuchProcess):
+        # psutil knows a PID taken by another process since; a killed server is a
+        # zombie until the machine's init reaps it, and psutil says a zombie runs.
+        if postmaster.is_running() and postmaster.status() != psutil.STATUS_ZOMBIE:
+            return False
+
+    clear_crash_leftovers(settings.EMBEDDED_PG_DIR)
+    with server._lock:  # what pgserver holds around its own start
+        server.ensure_postgres_running()
+    return True
 
 
 def clear_crash_leftovers(pgdata: Path) -> None:
@@ -165,6 +189,14 @@ def main() -> int:
         for name, child in children.items():
             if child.poll() is not None:
                 print(f"{name} exited with {child.returncode}; stopping the ledger", flush=True)
+                exit_code, stopping = 1, True
+        if server is not None and not stopping:
+            try:
+                if keep_embedded_postgres_running(server):
+                    print("embedded PostgreSQL had exited; started it again", flush=True)
+            except Exception as error:  # pg_ctl failed, timed out, or pgserver gave up
+                print(f"embedded PostgreSQL exited and did not start again ({error!r}); "
+                      "stopping the ledger", flush=True)  # fmt: skip
                 exit_code, stopping = 1, True
         time.sleep(0.5)
     stop(children.values())

@@ -125,6 +125,38 @@ def test_it_starts_after_a_crash_left_its_pid_to_another_process(data_dir: Path)
         impostor.wait()
 
 
+# Commits a row, says so, then on a line of input checks the server as `make run` does
+# every half second, twice: once after the test has killed it, once more.
+KEEP = (
+    "import sys; from ledger.run import keep_embedded_postgres_running as keep; "
+    "server.psql('CREATE TABLE kept (n int); INSERT INTO kept VALUES (42);'); "
+    "print('committed', flush=True); sys.stdin.readline(); "
+    "print('restarted', keep(server), server.get_pid(), flush=True); "
+    "print('restarted', keep(server), flush=True); "
+    "print(server.psql('SELECT n AS kept FROM kept;'))"
+)
+
+
+def test_an_embedded_postgres_killed_is_started_again_with_what_it_committed(
+    data_dir: Path,
+) -> None:
+    ledger = embedded(data_dir, then=KEEP)
+    assert ledger.stdout is not None
+    assert ledger.stdout.readline().startswith("embedded PostgreSQL ready")
+    postmaster = int(ledger.stdout.readline())
+    assert ledger.stdout.readline() == "committed\n"
+    os.killpg(os.getpgid(postmaster), signal.SIGKILL)  # the server and all its processes
+    wait_for(lambda: not postgres_of(data_dir))
+
+    output, _ = ledger.communicate("check\n", timeout=120)
+    assert ledger.returncode == 0
+    first, second = [line.split() for line in output.splitlines() if line.startswith("restarted")]
+    assert (first[:2], second) == (["restarted", "True"], ["restarted", "False"])
+    assert int(first[2]) != postmaster
+    assert "42" in output.split("kept", 1)[1]
+    wait_for(lambda: not postgres_of(data_dir))  # stopped with its last user, as before
+
+
 # A parent that starts a child and then waits: the child is what a gunicorn master
 # leaves behind when it dies before its worker.
 PARENT = (
