@@ -167,7 +167,7 @@ def main() -> int:
         ],
         "beat": [python, "-m", "celery", "-A", "ledger", "beat"],
     }  # fmt: skip
-    children = {name: start(command) for name, command in commands.items()}
+    children = {name: Child(name, command) for name, command in commands.items()}
     print(
         f"ledger running (web, Celery worker and beat); Ctrl-C stops.\n"
         f"  console   http://{BIND}/  (a login: uv run python manage.py createsuperuser)\n"
@@ -186,9 +186,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, request_stop)
     exit_code = 0
     while not stopping:
-        for name, child in children.items():
-            if child.poll() is not None:
-                print(f"{name} exited with {child.returncode}; stopping the ledger", flush=True)
+        for child in children.values():
+            if not child.keep_running():
                 exit_code, stopping = 1, True
         if server is not None and not stopping:
             try:
@@ -199,9 +198,47 @@ def main() -> int:
                       "stopping the ledger", flush=True)  # fmt: skip
                 exit_code, stopping = 1, True
         time.sleep(0.5)
-    stop(children.values())
+    stop(child.process for child in children.values())
     del server  # pgserver stops the embedded PostgreSQL when the last user lets go
     return exit_code
+
+
+# A child that exits sooner than this after it started, this many times in a row, is
+# failing to start (a setting it refuses, say): the ledger stops rather than loop.
+QUICK_EXIT_SECONDS = 10
+QUICK_EXITS = 3
+
+
+class Child:
+    """Web, worker or beat, started again when it exits, as a supervisor would: one
+    killed (by the kernel for memory, say) or stopped by a fault of its own leaves
+    the rest running, and runtimes keep recording while it comes back."""
+
+    def __init__(self, name: str, command: list[str]) -> None:
+        self.name, self.command = name, command
+        self.quick_exits = 0
+        self.process = start(command)
+        self.started = time.monotonic()
+
+    def keep_running(self) -> bool:
+        """Start it again if it has exited; False when it keeps failing to start."""
+        code = self.process.poll()
+        if code is None:
+            return True
+        stop([self.process])  # whatever it left in its group (a pool's processes)
+        quick = time.monotonic() - self.started < QUICK_EXIT_SECONDS
+        self.quick_exits = self.quick_exits + 1 if quick else 0
+        if self.quick_exits >= QUICK_EXITS:
+            print(
+                f"{self.name} exited with {code}, {QUICK_EXITS} times within "
+                f"{QUICK_EXIT_SECONDS} s of starting; stopping the ledger",
+                flush=True,
+            )
+            return False
+        print(f"{self.name} exited with {code}; starting it again", flush=True)
+        self.process = start(self.command)
+        self.started = time.monotonic()
+        return True
 
 
 def start(command: list[str]) -> subprocess.Popen[bytes]:

@@ -5,7 +5,6 @@ address starts nothing."""
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import re
 import shutil
@@ -15,7 +14,9 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -249,35 +250,68 @@ def test_an_address_family_this_machine_lacks_is_left_to_gunicorn(
     assert run.address_in_use("[::1]:8000") is False
 
 
-def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
-    transactional_db: None, tmp_path: Path
-) -> None:
+class Ledger(NamedTuple):
+    process: subprocess.Popen[bytes]
+    port: int
+    out: Path
+    err: Path
+
+    def ready(self) -> bool:
+        return answers_200(f"http://127.0.0.1:{self.port}/readyz")
+
+    def child(self, *words: str) -> int | None:
+        """The PID of its child whose command has these words, if it runs."""
+        for pid, (parent, _) in live_processes().items():
+            if parent == self.process.pid and set(map(os.fsencode, words)) <= set(
+                run.command_line(pid)
+            ):
+                return pid
+        return None
+
+
+@contextmanager
+def make_run(tmp_path: Path, **env: str) -> Iterator[Ledger]:
+    """`make run` on the test database, in a session of its own as in a terminal
+    (Ctrl-C signals its group); whatever of it is left at the end is killed."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    # In a session of its own, like `make run` in a terminal: Ctrl-C signals its group.
-    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
         ledger = subprocess.Popen(
             [sys.executable, "-m", "ledger.run"],
             cwd=ROOT,
-            env={**process_env(), "LEDGER_BIND": f"127.0.0.1:{port}", "WEB_WORKERS": "2"},
+            env={**process_env(), "LEDGER_BIND": f"127.0.0.1:{port}", **env},
             start_new_session=True,
-            stdout=out,
-            stderr=err,
+            stdout=stdout,
+            stderr=stderr,
         )
-    processes: set[int] = set()
+    seen: set[int] = set()
     try:
-        wait_for(functools.partial(answers_200, f"http://127.0.0.1:{port}/readyz"), seconds=120)
+        yield Ledger(ledger, port, out, err)
+    finally:
+        seen = descendants(ledger.pid)
+        ledger.kill()
+        ledger.wait()
+        for pid in (seen | descendants(ledger.pid)) & live_processes().keys():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
+    transactional_db: None, tmp_path: Path
+) -> None:
+    with make_run(tmp_path, WEB_WORKERS="2") as ledger:
+        wait_for(ledger.ready, seconds=120)
         # gunicorn, its two workers, the Celery worker with its pool, and beat.
-        wait_for(lambda: len(descendants(ledger.pid)) >= 6)
-        processes = descendants(ledger.pid)
+        wait_for(lambda: len(descendants(ledger.process.pid)) >= 6)
+        processes = descendants(ledger.process.pid)
 
-        os.killpg(ledger.pid, signal.SIGINT)
+        os.killpg(ledger.process.pid, signal.SIGINT)
 
-        assert ledger.wait(timeout=60) == 0
+        assert ledger.process.wait(timeout=60) == 0
         assert processes.isdisjoint(live_processes())
         with socket.socket() as sock:
-            assert sock.connect_ex(("127.0.0.1", port)) != 0
+            assert sock.connect_ex(("127.0.0.1", ledger.port)) != 0
         # gunicorn's own lines and its access log take the ledger's format too.
         err_lines = (tmp_path / "err").read_text().splitlines()
         booted = [line for line in err_lines if "Booting worker with pid" in line]
@@ -289,9 +323,34 @@ def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
             + r' level=INFO logger=gunicorn\.access remote=127\.0\.0\.1 request="GET /readyz '
             r'HTTP/1\.1" status=200 bytes=\d+ duration_ms=\d+ agent="'
         )
-        assert any(readyz.match(line) for line in (tmp_path / "out").read_text().splitlines())
-    finally:
-        ledger.kill()
-        ledger.wait()
-        for pid in (processes | descendants(ledger.pid)) & live_processes().keys():
-            os.kill(pid, signal.SIGKILL)
+        assert any(readyz.match(line) for line in ledger.out.read_text().splitlines())
+
+
+def test_a_worker_killed_is_started_again_and_the_rest_keep_running(
+    transactional_db: None, tmp_path: Path
+) -> None:
+    with make_run(tmp_path) as ledger:
+        wait_for(ledger.ready, seconds=120)
+        wait_for(lambda: ledger.child("celery", "worker") is not None)
+        worker, web = ledger.child("celery", "worker"), ledger.child("gunicorn")
+        assert worker is not None and web is not None
+
+        os.killpg(worker, signal.SIGKILL)  # the worker and its pool, by the kernel
+
+        wait_for(lambda: ledger.child("celery", "worker") not in {None, worker})
+        assert "worker exited with -9; starting it again" in ledger.out.read_text()
+        assert ledger.child("gunicorn") == web and ledger.ready()
+        assert ledger.process.poll() is None
+        os.killpg(ledger.process.pid, signal.SIGINT)
+        assert ledger.process.wait(timeout=60) == 0
+
+
+def test_a_worker_that_cannot_start_stops_the_ledger_after_three_tries(
+    transactional_db: None, tmp_path: Path
+) -> None:
+    with make_run(tmp_path, WORKER_CONCURRENCY="many") as ledger:
+        assert ledger.process.wait(timeout=120) == 1
+        said = ledger.out.read_text()
+        assert said.count("worker exited with 2; starting it again") == 2
+        assert f"worker exited with 2, 3 times within {run.QUICK_EXIT_SECONDS} s" in said
+        assert not descendants(ledger.process.pid)
