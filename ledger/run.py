@@ -5,7 +5,8 @@
 With no DATABASE_URL it starts the embedded PostgreSQL from the pgserver wheel under
 .data/pg; with no CELERY_BROKER_URL the worker and beat use Kombu's filesystem
 broker under .data/broker. Both are the settings' defaults, so `manage.py` commands
-run beside it reach the same database and broker. Ctrl-C stops everything.
+run beside it reach the same database and broker. What exits is started again (`Child`,
+`keep_embedded_postgres_running`); Ctrl-C stops everything.
 """
 
 from __future__ import annotations
