@@ -37,12 +37,11 @@ from ledger.audit import (
     page_cursor,
     search,
 )
+from ledger.bundles import archive_name, bundle_archive
 from ledger.capabilities import awaiting_its_probe, called_undeclared, capability_history
 from ledger.integrity import (
     CAPABILITY_ADVICE,
     UNEXPLAINED_HISTORY_ADVICE,
-    archive_name,
-    bundle_archive,
     counted,
     more_events_than,
     newest_passes,

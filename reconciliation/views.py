@@ -26,8 +26,9 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 from ledger import chain, policy
 from ledger.audit import invocations_naming
+from ledger.bundles import archive_name
 from ledger.capabilities import awaiting_its_probe
-from ledger.integrity import archive_name, restore_projection
+from ledger.integrity import restore_projection
 from ledger.metrics import background_work, probe_run_counts, probe_runs_per_capability
 from ledger.models import (
     FLAGGED_STATUSES,

@@ -16,8 +16,8 @@ from django.utils import timezone
 
 from ledger import tasks
 from ledger.audit import export_rows, page_cursor, parse_cursor, search
+from ledger.bundles import export_bundle
 from ledger.integrity import (
-    export_bundle,
     restore_projection,
     seal_events,
     verify,

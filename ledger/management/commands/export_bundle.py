@@ -5,7 +5,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
 
-from ledger.integrity import export_bundle
+from ledger.bundles import export_bundle
 from ledger.management.commands.verify_ledger import moment
 
 
