@@ -839,10 +839,10 @@ class ReferenceWatch(models.Model):
 
 
 class VerificationPass(models.Model):
-    """One background pass of verify_ledger over the whole ledger, a slice per run of
-    beat's task (`ledger.integrity.verify_next_slice`): every chain, its replay through
-    the retry policy and its row, every seal, the action log's chain, and (in its first
-    slice) every capability against the action log.
+    """One background pass of verify_ledger over the whole ledger, slices of it each
+    run of beat's task (`ledger.integrity.verify_slices_for`): every chain, its replay
+    through the retry policy and its row, every seal, the action log's chain, and (in
+    its first slice) every capability against the action log.
 
     A pass covers what existed when it started (up to `until_invocation`, `until_seal`
     and `until_admin_action`); what is recorded later is the next pass's. The first BREAKS_KEPT
@@ -856,6 +856,9 @@ class VerificationPass(models.Model):
     checked_at = models.DateTimeField(default=timezone.now)  # the last slice's end
     finished_at = models.DateTimeField(null=True, blank=True)
     until_invocation = models.BigIntegerField()
+    # How many invocations it covers, counted as it started (null for passes started
+    # before migration 0043): how far it has come, and at its pace when it will end.
+    invocations_to_check = models.PositiveBigIntegerField(null=True, blank=True)
     until_seal = models.BigIntegerField()
     # Where the next slice starts: after this invocation (pk) and this seal (its
     # first_sequence), whose hash the next seal must name as its prev_hash.
@@ -890,6 +893,15 @@ class VerificationPass(models.Model):
 
     def __str__(self) -> str:
         return f"verification pass {self.pk} from {self.started_at:%Y-%m-%d %H:%M}"
+
+    def expected_end(self) -> dt.datetime | None:
+        """When a running pass should end, at the pace it has kept so far (its slices
+        and the waits between them), once it has a pace; None before, or when finished."""
+        took = self.checked_at - self.started_at
+        if self.finished_at or not self.invocations_to_check or not self.invocations or not took:
+            return None
+        left = max(self.invocations_to_check - self.invocations, 0)
+        return self.checked_at + took * left / self.invocations
 
     @cached_property
     def first_breaks(self) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from django import template
 from django.utils import timezone
-from django.utils.timesince import timesince
+from django.utils.timesince import timesince, timeuntil
 
 from ledger.chain import redact
 
@@ -24,6 +24,17 @@ def waited(since: dt.datetime | None) -> str:
     if timezone.now() - since < dt.timedelta(minutes=1):
         return "under a minute"
     return timesince(since)
+
+
+@register.filter
+def ahead(until: dt.datetime | None) -> str:
+    """How long until then, as Django's `timeuntil` says it, except that the last
+    minute reads "under a minute" rather than "0 minutes"."""
+    if until is None:
+        return ""
+    if until - timezone.now() < dt.timedelta(minutes=1):
+        return "under a minute"
+    return timeuntil(until)
 
 
 @register.filter

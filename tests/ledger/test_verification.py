@@ -4,6 +4,7 @@ The action log is a hash chain too, checked by both verifications."""
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection, transaction
 from django.db.utils import ProgrammingError
+from django.utils import timezone
 
 from ledger import integrity
 from ledger.chain import GENESIS_HASH, event_hash
@@ -202,6 +204,33 @@ def test_a_run_while_another_holds_the_lock_does_nothing(ledger: Api) -> None:
     assert verify_next_slice(invocations=10) is not None
 
 
+def test_a_running_pass_says_how_far_it_has_come_and_when_it_should_end(
+    ledger: Api,
+) -> None:
+    started = timezone.now() - dt.timedelta(minutes=30)
+    running = verify_next_slice(invocations=1, now=started)
+    assert running is not None and running.invocations_to_check == 4
+    assert running.expected_end() is None  # no pace yet
+    # One of four in ten minutes and ten seconds: three more take three times that,
+    # and end ten minutes and forty seconds from now.
+    running.checked_at = started + dt.timedelta(minutes=10, seconds=10)
+    assert running.expected_end() == started + dt.timedelta(minutes=40, seconds=40)
+    running.save()
+
+    card = (
+        person("carol", "compliance")
+        .get("/audit/verify/")
+        .content.decode()
+        .split('id="background-verification"')[1]
+    )
+    assert (
+        "Running for 30\xa0minutes: 1 of 4 invocations checked so far, 10\xa0minutes more "
+        "at this pace."
+    ) in card
+    running.finished_at = timezone.now()
+    assert running.expected_end() is None
+
+
 def test_a_run_checks_slices_for_its_time_and_stops_at_the_end_of_its_pass(
     ledger: Api,
 ) -> None:
@@ -239,7 +268,7 @@ def test_the_verify_page_shows_what_the_background_passes_found(ledger: Api) -> 
         "<li><code>projection broken at invocation inv-2 status: expected &#x27;succeeded&#x27;, "
         'found &#x27;failed&#x27;</code> <a href="/invocations/inv-2/">its page</a></li>'
     ) in card
-    assert "Running for under a minute: 1 invocation checked so far." in card
+    assert "Running for under a minute: 1 of 4 invocations checked so far" in card
 
     restore_projection(invocation_id="inv-2", actor="user:ada", reason="found by the pass")
     card = compliance.get("/audit/verify/").content.decode().split("</section>")[0]

@@ -800,7 +800,7 @@ def test_the_dashboard_shows_what_background_verification_found(
     assert "No whole pass yet." in dashboard_card(operator, "verification")
     assert "Verifier:\n      no pass yet." in dashboard_card(operator)
     assert verify_next_slice(invocations=1) is not None
-    assert "Running for under a minute: 1 invocation checked so far." in dashboard_card(
+    assert "Running for under a minute: 1 of 2 invocations checked so far." in dashboard_card(
         operator, "verification"
     )
     assert verify_next_slice(invocations=1) is not None
