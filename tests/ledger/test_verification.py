@@ -211,8 +211,9 @@ def test_a_running_pass_says_how_far_it_has_come_and_when_it_should_end(
     running = verify_next_slice(invocations=1, now=started)
     assert running is not None and running.invocations_to_check == 4
     assert running.expected_end() is None  # no pace yet
-    # One of four in ten minutes and ten seconds: three more take three times that,
-    # and end ten minutes and forty seconds from now.
+    # A quarter in ten minutes and ten seconds: the rest take three times that, and
+    # end ten minutes and forty seconds from now.
+    running.invocations, running.invocations_to_check = 250_000, 1_000_000
     running.checked_at = started + dt.timedelta(minutes=10, seconds=10)
     assert running.expected_end() == started + dt.timedelta(minutes=40, seconds=40)
     running.save()
@@ -224,8 +225,8 @@ def test_a_running_pass_says_how_far_it_has_come_and_when_it_should_end(
         .split('id="background-verification"')[1]
     )
     assert (
-        "Running for 30\xa0minutes: 1 of 4 invocations checked so far, 10\xa0minutes more "
-        "at this pace."
+        "Running for 30\xa0minutes: 250,000 of 1,000,000 invocations checked so far, "
+        "10\xa0minutes more at this pace."
     ) in card
     running.finished_at = timezone.now()
     assert running.expected_end() is None
