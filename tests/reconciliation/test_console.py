@@ -24,7 +24,7 @@ from ledger.capabilities import capability_settings_change
 from ledger.integrity import seal_events, verify_next_slice
 from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
-from ledger.services import flag_missing_evidence
+from ledger.services import flag_missing_evidence, flag_missing_evidence_of
 from ledger.shared_references import watch_shared_references
 from reconciliation import tasks, views
 from reconciliation.forms import QueueFilterForm
@@ -238,6 +238,25 @@ def test_high_risk_needs_a_second_different_approver(
     assert "named by the proposed resolution" in references_section(page.encode())
     self_approver.post("/invocations/inv-1/reject", {"seen_event_count": seen, "note": "check"})
     assert Invocation.objects.get().status == "escalated"
+
+
+def test_counts_in_the_thousands_are_grouped(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    items = [
+        {"type": "intent", "invocation_id": f"c-{n}", "task_id": "t", "capability": "refund.create",
+         "arguments": {}, "idempotency_key": f"c-{n}", "attempt_id": "a1"}
+        for n in range(1000)
+    ]  # fmt: skip
+    api.post("/api/v1/evidence", items)
+    deadline = Invocation.objects.first().deadline_at  # type: ignore[union-attr]
+    flag_missing_evidence_of(invocation_ids=[f"c-{n}" for n in range(1000)], now=deadline)
+
+    page = operator.get("/dashboard/").content.decode()
+    assert "<td>reconciliation_required</td><td>1,000</td>" in page
+    assert '<span class="count reconciliation_required">reconciliation_required <strong>1,000' in (
+        operator.get("/").content.decode()
+    )
 
 
 def test_the_queue_and_the_invocation_page_keep_their_query_counts(
