@@ -240,17 +240,25 @@ def test_high_risk_needs_a_second_different_approver(
     assert Invocation.objects.get().status == "escalated"
 
 
-def test_counts_in_the_thousands_are_grouped(
-    api: Api, refund: Capability, operator: Client
-) -> None:
+def flag_many(api: Api, prefix: str, count: int) -> None:
+    """`count` invocations of refund.create, recorded by one batch with their first
+    attempts, then flagged as overdue (`prefix-0` …)."""
+    ids = [f"{prefix}-{n}" for n in range(count)]
     items = [
-        {"type": "intent", "invocation_id": f"c-{n}", "task_id": "t", "capability": "refund.create",
-         "arguments": {}, "idempotency_key": f"c-{n}", "attempt_id": "a1"}
-        for n in range(1000)
+        {"type": "intent", "invocation_id": invocation_id, "task_id": "t",
+         "capability": "refund.create", "arguments": {}, "idempotency_key": invocation_id,
+         "attempt_id": "a1"}
+        for invocation_id in ids
     ]  # fmt: skip
     api.post("/api/v1/evidence", items)
     deadline = Invocation.objects.first().deadline_at  # type: ignore[union-attr]
-    flag_missing_evidence_of(invocation_ids=[f"c-{n}" for n in range(1000)], now=deadline)
+    assert flag_missing_evidence_of(invocation_ids=ids, now=deadline) == ids
+
+
+def test_counts_in_the_thousands_are_grouped(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    flag_many(api, "c", 1000)
 
     page = operator.get("/dashboard/").content.decode()
     assert "<td>reconciliation_required</td><td>1,000</td>" in page
@@ -262,15 +270,7 @@ def test_counts_in_the_thousands_are_grouped(
 def test_the_queue_and_the_invocation_page_keep_their_query_counts(
     api: Api, refund: Capability, operator: Client
 ) -> None:
-    items = [
-        {"type": "intent", "invocation_id": f"q-{n}", "task_id": "t", "capability": "refund.create",
-         "arguments": {}, "idempotency_key": f"q-{n}", "attempt_id": "a1"}
-        for n in range(200)
-    ]  # fmt: skip
-    api.post("/api/v1/evidence", items)
-    deadline = Invocation.objects.first().deadline_at  # type: ignore[union-attr]
-    for n in range(200):
-        flag_missing_evidence(invocation_id=f"q-{n}", now=deadline)
+    flag_many(api, "q", 200)
     with CaptureQueriesContext(connection) as queue:
         assert operator.get("/").status_code == 200
     with CaptureQueriesContext(connection) as detail:
