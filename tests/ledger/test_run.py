@@ -58,23 +58,28 @@ def embedded(data_dir: Path, then: str) -> subprocess.Popen[str]:
 HOLD = "import sys; sys.stdin.read()"
 
 
-def live_processes() -> dict[int, tuple[int, int]]:
-    """Every process that is not a zombie: pid -> (parent pid, process group)."""
+def live_processes() -> dict[int, tuple[int, int, int]]:
+    """Every process that is not a zombie: pid -> (parent pid, process group, session)."""
     found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            # Fields after the command's closing parenthesis: state, ppid, pgrp.
-            state, ppid, pgrp = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            # Fields after the command's closing parenthesis: state, ppid, pgrp, session.
+            state, ppid, pgrp, sid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:4]
         except FileNotFoundError:
             continue
         if state != "Z":
-            found[int(proc.name)] = (int(ppid), int(pgrp))
+            found[int(proc.name)] = (int(ppid), int(pgrp), int(sid))
     return found
+
+
+def in_session(session: int) -> list[int]:
+    """The live processes of a session."""
+    return [pid for pid, (*_, sid) in live_processes().items() if sid == session]
 
 
 def in_group(group: int) -> list[int]:
     """The live processes of a process group."""
-    return [pid for pid, (_, pgrp) in live_processes().items() if pgrp == group]
+    return [pid for pid, (_, pgrp, _) in live_processes().items() if pgrp == group]
 
 
 def postgres_of(data_dir: Path) -> list[int]:
@@ -185,7 +190,7 @@ def test_stopping_a_child_stops_what_it_left_behind() -> None:
 def descendants(pid: int) -> set[int]:
     """The live processes below `pid`."""
     children: dict[int, list[int]] = {}
-    for child, (parent, _) in live_processes().items():
+    for child, (parent, *_) in live_processes().items():
         children.setdefault(parent, []).append(child)
     found, todo = set(), [pid]
     while todo:
@@ -261,7 +266,7 @@ class Ledger(NamedTuple):
 
     def child(self, *words: str) -> int | None:
         """The PID of its child whose command has these words, if it runs."""
-        for pid, (parent, _) in live_processes().items():
+        for pid, (parent, *_) in live_processes().items():
             if parent == self.process.pid and set(map(os.fsencode, words)) <= set(
                 run.command_line(pid)
             ):
@@ -286,14 +291,13 @@ def make_run(tmp_path: Path, **env: str) -> Iterator[Ledger]:
             stdout=stdout,
             stderr=stderr,
         )
-    seen: set[int] = set()
     try:
         yield Ledger(ledger, port, out, err)
     finally:
-        seen = descendants(ledger.pid)
+        # Its session, which every process it started stays in, even one orphaned.
         ledger.kill()
         ledger.wait()
-        for pid in (seen | descendants(ledger.pid)) & live_processes().keys():
+        for pid in in_session(ledger.pid):
             os.kill(pid, signal.SIGKILL)
 
 
