@@ -12,30 +12,140 @@ it only after it has locked it, and a process that declares the same queue meanw
 (web, worker and beat at the first start, or two producers) read it empty and stopped.
 Here the table is created and changed under the lock alone, and an empty one, just
 created, is read as what it is: no bindings yet.
+
+And Kombu's transport deletes a message as a worker takes it, keeping it only in the
+worker's memory until the job is acknowledged, so a worker killed (SIGKILL, the kernel)
+lost every job it held. Here a worker takes a message by renaming it into a folder of
+its own, named by its process, and deletes it there only once acknowledged; a message
+held by a process that is gone is put back on its queue by the next process that
+looks (`put_back_what_the_dead_held`), as Redis and RabbitMQ deliver again what a lost
+connection held. Processes are told apart by PID and start time, so the embedded broker
+serves processes of one machine (and one PID namespace), which is all it is for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import uuid
 from collections.abc import Callable
+from queue import Empty
 from time import monotonic
 from typing import IO, Any
 
+import psutil
 from kombu.exceptions import ChannelError
-from kombu.transport import filesystem
+from kombu.transport import filesystem, virtual
 from kombu.transport.filesystem import exchange_queue_t
 from kombu.utils.encoding import bytes_to_str, str_to_bytes
 from kombu.utils.json import dumps, loads
+from kombu.utils.objects import cached_property
 
 PARTIAL = ".partial"
+# How often a consuming process looks for messages held by processes that are gone,
+# besides when it starts: a worker killed beside others gets its jobs back this soon.
+PUT_BACK_EVERY_SECONDS = 10.0
 
 type Bindings = list[exchange_queue_t]
 
 
+class QoS(virtual.QoS):
+    """Kombu's bookkeeping of unacknowledged messages, which also lets go of a
+    message's held file once the message is acknowledged or rejected."""
+
+    channel: Channel
+
+    def ack(self, delivery_tag: str) -> None:
+        super().ack(delivery_tag)
+        self.channel.let_go(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        super().reject(delivery_tag, requeue=requeue)  # requeued through _restore
+        self.channel.let_go(delivery_tag)
+
+
 class Channel(filesystem.Channel):
+    QoS = QoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._held: dict[str, str] = {}  # delivery tag: the file held for it
+        self._last_put_back = float("-inf")
+
+    @cached_property
+    def held_folder(self) -> str:
+        """Where each consuming process keeps, in a folder of its own, the messages it
+        has taken and not yet acknowledged."""
+        return str(self.transport_options.get("held_folder", "held"))
+
+    def _get(self, queue: str, timeout: Any = None) -> Any:
+        """Take the next message of `queue` by moving it into this process's held
+        folder; the rename is atomic, so of two workers one takes it."""
+        if monotonic() - self._last_put_back >= PUT_BACK_EVERY_SECONDS:
+            put_back_what_the_dead_held(self.held_folder, self.data_folder_in)
+            self._last_put_back = monotonic()
+        mine = os.path.join(self.held_folder, _own_name(os.getpid()))
+        os.makedirs(mine, exist_ok=True)
+        for name in sorted(os.listdir(self.data_folder_in)):
+            if name.partition(".")[2] != f"{queue}.msg":
+                continue
+            held = os.path.join(mine, name)
+            try:
+                os.rename(os.path.join(self.data_folder_in, name), held)
+            except FileNotFoundError:
+                continue  # another worker took it
+            try:
+                with open(held, "rb") as file:
+                    payload = loads(bytes_to_str(file.read()))
+            except OSError as exc:
+                raise ChannelError(f"Cannot read file {held!r} from queue.") from exc
+            tag = payload.get("properties", {}).get("delivery_tag")
+            if tag is None:  # not a Kombu message: nothing will acknowledge it
+                os.unlink(held)
+            else:
+                self._held[tag] = held
+            return payload
+        raise Empty()
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        message = super().basic_get(queue, no_ack, **kwargs)
+        if message is not None and no_ack:
+            self.let_go(message.delivery_tag)
+        return message
+
+    def basic_consume(
+        self, queue: str, no_ack: bool, callback: Callable[[Any], Any], consumer_tag: str,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        if no_ack:
+            taken = callback
+
+            def callback(message: Any) -> Any:
+                self.let_go(message.delivery_tag)
+                return taken(message)
+
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def _restore(self, message: Any) -> None:
+        """Put an unacknowledged message back (a rejection that requeues, a closing
+        channel), then let go of the file held for it."""
+        super()._restore(message)
+        self.let_go(message.delivery_tag)
+
+    def let_go(self, delivery_tag: str) -> None:
+        """Done with the message `delivery_tag`: delete its held file (or keep it in the
+        processed folder, when the transport is told to)."""
+        held = self._held.pop(delivery_tag, None)
+        if held is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if self.store_processed:
+                os.replace(held, os.path.join(self.processed_folder, os.path.basename(held)))
+            else:
+                os.unlink(held)
+
     # Named as Kombu's filesystem Channel names them, which its base class does not.
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """Put the message on `queue`, named as Kombu names it so that workers take
@@ -113,6 +223,44 @@ def _bindings(table: IO[bytes]) -> Bindings:
     if not written:
         return []
     return [exchange_queue_t(*binding) for binding in loads(bytes_to_str(written))]
+
+
+def put_back_what_the_dead_held(held_folder: str, queue_folder: str) -> None:
+    """Put back on their queues the messages held by processes that are gone, under
+    the names they had, so that they are taken again in their turn."""
+    with contextlib.suppress(FileNotFoundError):
+        for process in os.listdir(held_folder):
+            if _still_runs(process):
+                continue
+            folder = os.path.join(held_folder, process)
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(folder):
+                    with contextlib.suppress(FileNotFoundError):  # another put it back
+                        os.rename(os.path.join(folder, name), os.path.join(queue_folder, name))
+            with contextlib.suppress(OSError):  # another process is emptying it too
+                os.rmdir(folder)
+
+
+def _process_name(pid: int) -> str:
+    """A name for the process `pid` that a later process with the same PID does not
+    have: the PID and the time it started."""
+    return f"{pid}-{psutil.Process(pid).create_time():.2f}"
+
+
+# A process's own name, read once (a forked child has a PID of its own).
+_own_name = functools.cache(_process_name)
+
+
+def _still_runs(process_name: str) -> bool:
+    pid = int(process_name.partition("-")[0])
+    try:
+        # A process killed is a zombie until its parent reaps it, and holds nothing.
+        return (
+            _process_name(pid) == process_name
+            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        )
+    except psutil.NoSuchProcess:
+        return False
 
 
 class Transport(filesystem.Transport):

@@ -49,7 +49,7 @@ def keep_embedded_postgres_running(server: Any) -> bool:
     write-ahead log as after a power cut, so nothing committed is lost, and the web
     processes reconnect by themselves: until then they answer 503 ledger_unavailable,
     safe to resend. Raises what pgserver raises when it cannot start it."""
-    import psutil  # pgserver's, on embedded defaults only
+    import psutil
 
     from ledger import settings
 

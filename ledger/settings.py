@@ -320,6 +320,8 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "data_folder_in": _queue_dir,
         "data_folder_out": _queue_dir,
         "control_folder": str(EMBEDDED_BROKER_DIR / "control"),
+        # What each worker has taken and not acknowledged, put back if it is killed.
+        "held_folder": str(EMBEDDED_BROKER_DIR / "held"),
         # How long a worker with no free process waits before it looks again (Kombu's
         # default, 1 s, held the embedded ledger to about two jobs a second).
         "polling_interval": 0.1,

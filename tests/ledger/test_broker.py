@@ -1,9 +1,12 @@
 """The embedded broker (ledger/broker.py): no process reads a message or a table of
-bindings that another is still writing, so none stops on one and nothing is lost."""
+bindings that another is still writing, so none stops on one, and a message taken by a
+process killed before it acknowledged it is delivered again: nothing is lost."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,12 +14,13 @@ from pathlib import Path
 from queue import Empty
 from typing import Any
 
+import psutil
 import pytest
 from kombu import Connection
-from kombu.transport import filesystem
+from kombu.transport import filesystem, virtual
 
 from ledger import broker
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 
 
 def folders(root: Path) -> dict[str, Any]:
@@ -27,7 +31,19 @@ def folders(root: Path) -> dict[str, Any]:
         "data_folder_in": queue,
         "data_folder_out": queue,
         "control_folder": str(root / "control"),
+        "held_folder": str(root / "held"),
     }
+
+
+def held_files(root: Path) -> list[str]:
+    return sorted(file.name for file in (root / "held").glob("*/*"))
+
+
+@pytest.fixture(autouse=True)
+def bindings_of_this_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kombu remembers the queues bound in a process in its transport class, and would
+    not bind them in the next test's folders."""
+    monkeypatch.setattr(broker.Transport, "global_state", virtual.BrokerState())
 
 
 @pytest.fixture
@@ -159,3 +175,145 @@ def test_workers_take_every_message_of_busy_producers_once(tmp_path: Path) -> No
         taken += [tuple(message) for message in json.loads(out)]
 
     assert sorted(taken) == [(str(p), n) for p in range(3) for n in range(500)]
+
+
+# Takes one message as `sys.argv[2]` says, says so, and waits to be killed.
+TAKE = """
+import json, sys
+from kombu import Connection
+options = json.loads(sys.argv[1])
+with Connection(transport="ledger.broker:Transport", transport_options=options) as c:
+    queue = c.SimpleQueue("tasks", no_ack=sys.argv[2] == "no_ack")
+    message = queue.get(timeout=30)
+    if sys.argv[2] == "ack":
+        message.ack()
+    print(message.payload, flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize(
+    ("taker", "delivered_again"), [("holds", True), ("ack", False), ("no_ack", False)]
+)
+def test_a_message_is_delivered_again_when_its_taker_is_killed_before_acknowledging_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taker: str, delivered_again: bool
+) -> None:
+    monkeypatch.setattr(broker, "PUT_BACK_EVERY_SECONDS", 0)  # look at every take
+    with Connection(transport=broker.Transport, transport_options=folders(tmp_path)) as c:
+        c.SimpleQueue("tasks").put("refund 42")
+        process = subprocess.Popen(
+            [sys.executable, "-c", TAKE, json.dumps(folders(tmp_path)), taker],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert process.stdout is not None
+            assert process.stdout.readline() == "refund 42\n"
+            assert len(held_files(tmp_path)) == (1 if delivered_again else 0)
+            queue = c.SimpleQueue("tasks")
+            with pytest.raises(queue.Empty):
+                queue.get(timeout=0.2)  # its taker runs: it is not anyone else's
+            process.send_signal(signal.SIGKILL)
+            # Not reaped yet, a killed process is a zombie, and holds nothing.
+            wait_for(lambda: psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE)
+
+            if delivered_again:
+                message = queue.get(timeout=5)
+                assert message.payload == "refund 42"
+                message.ack()
+            with pytest.raises(queue.Empty):
+                queue.get(timeout=0.2)
+            assert held_files(tmp_path) == []
+        finally:
+            process.kill()
+            process.wait()
+
+
+def test_a_message_requeued_or_left_unacknowledged_at_close_goes_back_once(
+    tmp_path: Path,
+) -> None:
+    options = folders(tmp_path)
+    with Connection(transport=broker.Transport, transport_options=options) as c:
+        queue = c.SimpleQueue("tasks")
+        queue.put("refund 42")
+        queue.get(timeout=1).requeue()
+        assert held_files(tmp_path) == []
+        assert queue.get(timeout=1).payload == "refund 42"
+        assert len(held_files(tmp_path)) == 1
+    # Closed with the message unacknowledged: back on the queue, and held no more.
+    assert held_files(tmp_path) == []
+    with Connection(transport=broker.Transport, transport_options=options) as c:
+        queue = c.SimpleQueue("tasks")
+        assert queue.get(timeout=1).payload == "refund 42"
+        with pytest.raises(queue.Empty):
+            queue.get(timeout=0.2)
+
+
+CELERY_APP = """
+import json, os, time
+from pathlib import Path
+from celery import Celery
+
+folder = Path(os.environ["JOBS_FOLDER"])
+app = Celery("jobs", broker="filesystem://localhost//")
+app.conf.update(
+    broker_transport="ledger.broker:Transport",
+    broker_transport_options=json.loads(os.environ["BROKER_FOLDERS"]),
+    task_acks_late=True,
+    worker_prefetch_multiplier=1,
+)
+
+
+@app.task(name="refund")
+def refund() -> None:
+    (folder / f"started by {os.getpid()}").touch()
+    while not (folder / "go").exists():
+        time.sleep(0.05)
+    (folder / f"done by {os.getpid()}").touch()
+"""
+
+
+def test_a_celery_worker_killed_in_a_job_leaves_it_to_the_next_worker(tmp_path: Path) -> None:
+    """The ledger's own settings (late acknowledgement), a real Celery worker killed
+    with SIGKILL halfway through a job: the worker started after it does the job. With
+    Kombu's own transport the job was gone with the first worker."""
+    (tmp_path / "jobs.py").write_text(CELERY_APP)
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
+        "JOBS_FOLDER": str(jobs),
+        "BROKER_FOLDERS": json.dumps(folders(tmp_path)),
+    }
+
+    def worker() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "jobs", "worker", "--pool", "solo",
+             "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "WARNING"],
+            cwd=tmp_path, env=env, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    first = worker()
+    second = None
+    try:
+        subprocess.run(
+            [sys.executable, "-c", "import jobs; jobs.refund.delay()"],
+            cwd=tmp_path, env=env, check=True,
+        )  # fmt: skip
+        wait_for(lambda: (jobs / f"started by {first.pid}").exists())
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+
+        second = worker()
+        wait_for(lambda: (jobs / f"started by {second.pid}").exists())
+        (jobs / "go").touch()
+        wait_for(lambda: (jobs / f"done by {second.pid}").exists())
+        assert sorted(file.name for file in jobs.iterdir()) == sorted(
+            ["go", f"started by {first.pid}", f"started by {second.pid}", f"done by {second.pid}"]
+        )
+        wait_for(lambda: held_files(tmp_path) == [])  # acknowledged after the job
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+                process.wait()
