@@ -6,7 +6,13 @@ its access log, a line per request, goes to standard output in the same format w
 the request's fields as key=value.
 """
 
-from ledger.settings import LOG_FORMAT, LOG_LEVEL
+from ledger.settings import DATA_DIR, LOG_FORMAT, LOG_LEVEL
+
+# gunicorn's control socket (`gunicornc -s .data/gunicorn.ctl`) in the ledger's own data
+# folder. gunicorn's default is one path for all of a user's gunicorns
+# ($HOME/.gunicorn/gunicorn.ctl): a second ledger, or a benchmark, took it over from
+# the first, and gunicornc then showed, or shut down, the wrong one.
+control_socket = str(DATA_DIR / "gunicorn.ctl")
 
 access_log_format = (
     'remote=%(h)s request="%(r)s" status=%(s)s bytes=%(B)s duration_ms=%(M)s agent="%(a)s"'

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from gunicorn.ctl.client import ControlClient
 
 from ledger import run
 from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, answers_200, process_env, wait_for
@@ -286,7 +287,12 @@ def make_run(tmp_path: Path, **env: str) -> Iterator[Ledger]:
         ledger = subprocess.Popen(
             [sys.executable, "-m", "ledger.run"],
             cwd=ROOT,
-            env={**process_env(), "LEDGER_BIND": f"127.0.0.1:{port}", **env},
+            env={
+                **process_env(),
+                "LEDGER_BIND": f"127.0.0.1:{port}",
+                "LEDGER_DATA_DIR": str(tmp_path / "data"),
+                **env,
+            },
             start_new_session=True,
             stdout=stdout,
             stderr=stderr,
@@ -309,11 +315,23 @@ def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
         # gunicorn, its two workers, the Celery worker with its pool, and beat.
         wait_for(lambda: len(descendants(ledger.process.pid)) >= 6)
         processes = descendants(ledger.process.pid)
+        # Its gunicorn's control socket is in its data folder, and is this gunicorn's.
+        control_socket = tmp_path / "data" / "gunicorn.ctl"
+        with ControlClient(str(control_socket), timeout=10) as control:
+            served_by = {
+                worker["pid"] for worker in control.send_command("show workers")["workers"]
+            }
+        gunicorn = ledger.child("gunicorn")
+        assert gunicorn is not None
+        live = live_processes()
+        assert served_by == {pid for pid in processes if live.get(pid, (0,))[0] == gunicorn}
+        assert len(served_by) == 2
 
         os.killpg(ledger.process.pid, signal.SIGINT)
 
         assert ledger.process.wait(timeout=60) == 0
         assert processes.isdisjoint(live_processes())
+        assert not control_socket.exists()
         with socket.socket() as sock:
             assert sock.connect_ex(("127.0.0.1", ledger.port)) != 0
         # gunicorn's own lines and its access log take the ledger's format too.

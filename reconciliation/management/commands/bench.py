@@ -779,6 +779,8 @@ class Command(BaseCommand):
                 sys.executable, "-m", "gunicorn", "ledger.wsgi", "--bind", f"127.0.0.1:{port}",
                 "--worker-class", "gthread", "--workers", str(workers),
                 "--threads", str(threads), "--log-level", "warning",
+                # Nothing controls it, and gunicorn's default socket is the user's one.
+                "--no-control-socket",
             ],
             # ERROR: the floor's 404s would each log a warning; nothing measured here logs more.
             env={**env, "LOG_LEVEL": "ERROR", "LEDGER_THROTTLE_RATE": "100000000/min"},
