@@ -1,4 +1,5 @@
-"""The embedded broker: Kombu's filesystem transport, with files never read half-written.
+"""The embedded broker: Kombu's filesystem transport, with no file read half-written
+and no job lost with a killed worker.
 
 Kombu's own transport writes a message by creating its file and then writing to it. A
 worker that lists the folder between the two takes the empty file, cannot decode it
@@ -16,18 +17,16 @@ created, is read as what it is: no bindings yet.
 And Kombu's transport deletes a message as a worker takes it, keeping it only in the
 worker's memory until the job is acknowledged, so a worker killed (SIGKILL, the kernel)
 lost every job it held. Here a worker takes a message by renaming it into a folder of
-its own, named by its process, and deletes it there only once acknowledged; a message
-held by a process that is gone is put back on its queue by the next process that
-looks (`put_back_what_the_dead_held`), as Redis and RabbitMQ deliver again what a lost
-connection held. Processes are told apart by PID and start time, so the embedded broker
-serves processes of one machine (and one PID namespace), which is all it is for.
+its own, and deletes it there only once acknowledged; a message held by a process that
+is gone (the folder's lock, which the process holds while it runs, is free) is put back
+on its queue by the next process that looks (`put_back_what_the_dead_held`), as Redis
+and RabbitMQ deliver again what a lost connection held.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
 import os
 import uuid
 from collections.abc import Callable
@@ -35,7 +34,6 @@ from queue import Empty
 from time import monotonic
 from typing import IO, Any
 
-import psutil
 from kombu.exceptions import ChannelError
 from kombu.transport import filesystem, virtual
 from kombu.transport.filesystem import exchange_queue_t
@@ -44,6 +42,7 @@ from kombu.utils.json import dumps, loads
 from kombu.utils.objects import cached_property
 
 PARTIAL = ".partial"
+LOCK = "lock"  # in a process's folder of held messages, locked while it runs
 # How often a consuming process looks for messages held by processes that are gone,
 # besides when it starts: a worker killed beside others gets its jobs back this soon.
 PUT_BACK_EVERY_SECONDS = 10.0
@@ -86,8 +85,7 @@ class Channel(filesystem.Channel):
         if monotonic() - self._last_put_back >= PUT_BACK_EVERY_SECONDS:
             put_back_what_the_dead_held(self.held_folder, self.data_folder_in)
             self._last_put_back = monotonic()
-        mine = os.path.join(self.held_folder, _own_name(os.getpid()))
-        os.makedirs(mine, exist_ok=True)
+        mine = _own_folder(self.held_folder)
         for name in sorted(os.listdir(self.data_folder_in)):
             if name.partition(".")[2] != f"{queue}.msg":
                 continue
@@ -227,40 +225,65 @@ def _bindings(table: IO[bytes]) -> Bindings:
 
 def put_back_what_the_dead_held(held_folder: str, queue_folder: str) -> None:
     """Put back on their queues the messages held by processes that are gone, under
-    the names they had, so that they are taken again in their turn."""
+    the names they had, so that they are taken again in their turn.
+
+    A process holds the lock of its folder from the moment the folder has its name until
+    it ends, however it ends (the kernel lets go of a killed process's locks), so a
+    folder whose lock can be taken is a dead process's. The folder is emptied and
+    removed under that lock, so two processes looking at once do not both empty it."""
     with contextlib.suppress(FileNotFoundError):
-        for process in os.listdir(held_folder):
-            if _still_runs(process):
-                continue
-            folder = os.path.join(held_folder, process)
-            with contextlib.suppress(FileNotFoundError):
-                for name in os.listdir(folder):
-                    with contextlib.suppress(FileNotFoundError):  # another put it back
-                        os.rename(os.path.join(folder, name), os.path.join(queue_folder, name))
-            with contextlib.suppress(OSError):  # another process is emptying it too
+        for name in os.listdir(held_folder):
+            if name.startswith("."):
+                continue  # a folder being made
+            folder = os.path.join(held_folder, name)
+            try:
+                lock = os.open(os.path.join(folder, LOCK), os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # being removed by another process
+            try:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its process runs (or another is emptying it)
+                for message in os.listdir(folder):
+                    if message != LOCK:
+                        os.rename(
+                            os.path.join(folder, message), os.path.join(queue_folder, message)
+                        )
+                os.unlink(os.path.join(folder, LOCK))
                 os.rmdir(folder)
+            finally:
+                os.close(lock)
 
 
-def _process_name(pid: int) -> str:
-    """A name for the process `pid` that a later process with the same PID does not
-    have: the PID and the time it started."""
-    return f"{pid}-{psutil.Process(pid).create_time():.2f}"
+# This process's folder in each held folder, with the descriptor that locks it.
+_own: dict[str, tuple[str, int]] = {}
 
 
-# A process's own name, read once (a forked child has a PID of its own).
-_own_name = functools.cache(_process_name)
+def _own_folder(held_folder: str) -> str:
+    """This process's folder in `held_folder`: made under a name no one looks at, with
+    its lock taken, then named for good."""
+    if held_folder not in _own:
+        os.makedirs(held_folder, exist_ok=True)
+        making = os.path.join(held_folder, f".{uuid.uuid4()}")
+        os.mkdir(making)
+        lock = os.open(os.path.join(making, LOCK), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        folder = os.path.join(held_folder, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        os.rename(making, folder)
+        _own[held_folder] = (folder, lock)
+    return _own[held_folder][0]
 
 
-def _still_runs(process_name: str) -> bool:
-    pid = int(process_name.partition("-")[0])
-    try:
-        # A process killed is a zombie until its parent reaps it, and holds nothing.
-        return (
-            _process_name(pid) == process_name
-            and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        )
-    except psutil.NoSuchProcess:
-        return False
+def _forget_own_folders() -> None:
+    """In a forked child: its parent's folders are not its own, and the child's copy of
+    a lock would keep the folder of a parent killed before it from being put back."""
+    for _, lock in _own.values():
+        os.close(lock)
+    _own.clear()
+
+
+os.register_at_fork(after_in_child=_forget_own_folders)
 
 
 class Transport(filesystem.Transport):

@@ -36,7 +36,8 @@ def folders(root: Path) -> dict[str, Any]:
 
 
 def held_files(root: Path) -> list[str]:
-    return sorted(file.name for file in (root / "held").glob("*/*"))
+    """The messages taken and not acknowledged, in every process's folder."""
+    return sorted(file.name for file in (root / "held").glob("*/*.msg"))
 
 
 @pytest.fixture(autouse=True)
@@ -177,9 +178,10 @@ def test_workers_take_every_message_of_busy_producers_once(tmp_path: Path) -> No
     assert sorted(taken) == [(str(p), n) for p in range(3) for n in range(500)]
 
 
-# Takes one message as `sys.argv[2]` says, says so, and waits to be killed.
+# Takes one message as `sys.argv[2]` says (and forks a child that outlives it, if told
+# to), says so, and waits to be killed.
 TAKE = """
-import json, sys
+import json, os, sys, time
 from kombu import Connection
 options = json.loads(sys.argv[1])
 with Connection(transport="ledger.broker:Transport", transport_options=options) as c:
@@ -187,17 +189,24 @@ with Connection(transport="ledger.broker:Transport", transport_options=options) 
     message = queue.get(timeout=30)
     if sys.argv[2] == "ack":
         message.ack()
-    print(message.payload, flush=True)
+    child = os.fork() if sys.argv[2] == "forks" else None
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(json.dumps({"payload": message.payload, "child": child}), flush=True)
     sys.stdin.read()
 """
 
 
 @pytest.mark.parametrize(
-    ("taker", "delivered_again"), [("holds", True), ("ack", False), ("no_ack", False)]
+    ("taker", "delivered_again"),
+    [("holds", True), ("forks", True), ("ack", False), ("no_ack", False)],
 )
 def test_a_message_is_delivered_again_when_its_taker_is_killed_before_acknowledging_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taker: str, delivered_again: bool
 ) -> None:
+    """Killed, and not reaped yet (a zombie): what it held and did not acknowledge is
+    delivered again, even while a child it forked after taking it runs on."""
     monkeypatch.setattr(broker, "PUT_BACK_EVERY_SECONDS", 0)  # look at every take
     with Connection(transport=broker.Transport, transport_options=folders(tmp_path)) as c:
         c.SimpleQueue("tasks").put("refund 42")
@@ -205,15 +214,17 @@ def test_a_message_is_delivered_again_when_its_taker_is_killed_before_acknowledg
             [sys.executable, "-c", TAKE, json.dumps(folders(tmp_path)), taker],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
+        child = None
         try:
             assert process.stdout is not None
-            assert process.stdout.readline() == "refund 42\n"
+            taken = json.loads(process.stdout.readline())
+            child = taken["child"]
+            assert taken["payload"] == "refund 42"
             assert len(held_files(tmp_path)) == (1 if delivered_again else 0)
             queue = c.SimpleQueue("tasks")
             with pytest.raises(queue.Empty):
                 queue.get(timeout=0.2)  # its taker runs: it is not anyone else's
             process.send_signal(signal.SIGKILL)
-            # Not reaped yet, a killed process is a zombie, and holds nothing.
             wait_for(lambda: psutil.Process(process.pid).status() == psutil.STATUS_ZOMBIE)
 
             if delivered_again:
@@ -223,9 +234,12 @@ def test_a_message_is_delivered_again_when_its_taker_is_killed_before_acknowledg
             with pytest.raises(queue.Empty):
                 queue.get(timeout=0.2)
             assert held_files(tmp_path) == []
+            assert child is None or psutil.Process(child).is_running()
         finally:
             process.kill()
             process.wait()
+            if child:
+                os.kill(child, signal.SIGKILL)
 
 
 def test_a_message_requeued_or_left_unacknowledged_at_close_goes_back_once(
