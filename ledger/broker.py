@@ -262,7 +262,10 @@ _own: dict[str, tuple[str, int]] = {}
 
 def _own_folder(held_folder: str) -> str:
     """This process's folder in `held_folder`: made under a name no one looks at, with
-    its lock taken, then named for good."""
+    its lock taken, then named for good; made again if it is gone."""
+    if held_folder in _own and not os.path.isdir(_own[held_folder][0]):
+        # Removed by hand: every take would fail as if another worker had taken it.
+        os.close(_own.pop(held_folder)[1])
     if held_folder not in _own:
         os.makedirs(held_folder, exist_ok=True)
         making = os.path.join(held_folder, f".{uuid.uuid4()}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,6 +241,17 @@ def test_a_message_is_delivered_again_when_its_taker_is_killed_before_acknowledg
             process.wait()
             if child:
                 os.kill(child, signal.SIGKILL)
+
+
+def test_a_worker_whose_held_folder_was_removed_takes_messages_still(
+    channel: broker.Channel, tmp_path: Path
+) -> None:
+    channel._put("tasks", {"body": "first"})
+    assert channel._get("tasks") == {"body": "first"}
+    shutil.rmtree(tmp_path / "held")
+
+    channel._put("tasks", {"body": "second"})
+    assert channel._get("tasks") == {"body": "second"}
 
 
 def test_a_message_requeued_or_left_unacknowledged_at_close_goes_back_once(
