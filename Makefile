@@ -17,6 +17,9 @@ run: deps
 ## Lint, type-check and run the whole test suite against PostgreSQL and Redis.
 test: deps lint browser
 	$(UV) run --frozen pytest
+	@# Then the workers' tests marked embedded_broker again, on the broker `make run` uses.
+	CELERY_BROKER_URL=filesystem://localhost// LEDGER_DATA_DIR="$$(mktemp -d)" \
+		$(UV) run --frozen pytest -m embedded_broker
 
 # The console's journeys run in Debian's Chromium; install it if this machine has none.
 browser:

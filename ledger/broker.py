@@ -70,6 +70,8 @@ class Channel(filesystem.Channel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        for folder in (self.data_folder_in, self.data_folder_out, self.control_folder):
+            os.makedirs(folder, exist_ok=True)
         self._held: dict[str, str] = {}  # delivery tag: the file held for it
         self._last_put_back = float("-inf")
 

@@ -147,11 +147,6 @@ def main() -> int:
         )
         return 1
     server = None if "DATABASE_URL" in os.environ else start_embedded_postgres()
-    if "CELERY_BROKER_URL" not in os.environ:
-        from ledger import settings
-
-        for folder in ("queue", "control"):
-            (settings.EMBEDDED_BROKER_DIR / folder).mkdir(parents=True, exist_ok=True)
     manage("migrate", "--no-input")
     manage("collectstatic", "--no-input", "--verbosity", "0")
     python = sys.executable

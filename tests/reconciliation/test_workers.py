@@ -31,6 +31,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 SETTLED = ("succeeded", "retry_allowed", "failed", "escalated")
 
 
+@pytest.mark.embedded_broker
 def test_a_refund_whose_outcome_was_lost_is_found_and_never_repeated(
     api: Api, refunds: Capability, standin: StandInService, workers: Workers, tmp_path: Path
 ) -> None:
@@ -70,6 +71,7 @@ def test_a_refund_that_never_happened_is_retried_once_under_the_same_key(
     assert standin.refunds.count() == 1
 
 
+@pytest.mark.embedded_broker
 def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
     api: Api, refunds: Capability, standin: StandInService, workers: Workers
 ) -> None:
@@ -106,6 +108,7 @@ def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
     ]
 
 
+@pytest.mark.embedded_broker
 def test_two_workers_racing_for_200_invocations_settle_each_exactly_once(
     api: Api, refunds: Capability, standin: StandInService, workers: Workers
 ) -> None:
@@ -353,6 +356,7 @@ def test_beat_has_a_worker_verify_the_ledger_and_find_a_row_changed_outside_it(
     ]
 
 
+@pytest.mark.embedded_broker
 def test_after_an_outage_an_operator_reruns_every_escalated_probe_and_each_settles_once(
     api: Api, refunds: Capability, standin: StandInService, workers: Workers, settings: Any
 ) -> None:
