@@ -31,7 +31,7 @@ import os
 import uuid
 from collections.abc import Callable
 from queue import Empty
-from time import monotonic
+from time import monotonic, monotonic_ns
 from typing import IO, Any
 
 from kombu.exceptions import ChannelError
@@ -73,6 +73,7 @@ class Channel(filesystem.Channel):
         for folder in (self.data_folder_in, self.data_folder_out, self.control_folder):
             os.makedirs(folder, exist_ok=True)
         self._held: dict[str, str] = {}  # delivery tag: the file held for it
+        self._listed: dict[str, list[str]] = {}  # queue: names not tried yet, last first
         self._last_put_back = float("-inf")
 
     @cached_property
@@ -83,14 +84,24 @@ class Channel(filesystem.Channel):
 
     def _get(self, queue: str, timeout: Any = None) -> Any:
         """Take the next message of `queue` by moving it into this process's held
-        folder; the rename is atomic, so of two workers one takes it."""
+        folder; the rename is atomic, so of two workers one takes it.
+
+        Listing and sorting the folder for each message, as Kombu does, cost 10 ms a
+        message with 10,000 waiting: a worker lists it again only once it has tried
+        every name of its last listing (taken by others meanwhile, or by itself)."""
         if monotonic() - self._last_put_back >= PUT_BACK_EVERY_SECONDS:
             put_back_what_the_dead_held(self.held_folder, self.data_folder_in)
             self._last_put_back = monotonic()
         mine = _own_folder(self.held_folder)
-        for name in sorted(os.listdir(self.data_folder_in)):
-            if name.partition(".")[2] != f"{queue}.msg":
+        listed, listed_now = self._listed.get(queue, []), False
+        while True:
+            if not listed:
+                if listed_now:
+                    raise Empty()
+                listed, listed_now = self._waiting(queue), True
+                self._listed[queue] = listed
                 continue
+            name = listed.pop()
             held = os.path.join(mine, name)
             try:
                 os.rename(os.path.join(self.data_folder_in, name), held)
@@ -107,7 +118,12 @@ class Channel(filesystem.Channel):
             else:
                 self._held[tag] = held
             return payload
-        raise Empty()
+
+    def _waiting(self, queue: str) -> list[str]:
+        """The names of the messages waiting on `queue`, the oldest last."""
+        suffix = f"{queue}.msg"
+        names = (n for n in os.listdir(self.data_folder_in) if n.partition(".")[2] == suffix)
+        return sorted(names, reverse=True)
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
         message = super().basic_get(queue, no_ack, **kwargs)
@@ -148,9 +164,12 @@ class Channel(filesystem.Channel):
 
     # Named as Kombu's filesystem Channel names them, which its base class does not.
     def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        """Put the message on `queue`, named as Kombu names it so that workers take
-        messages in the order Kombu gives them."""
-        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+        """Put the message on `queue` under a name that sorts in the order messages
+        are put. Kombu's names start with the milliseconds of the machine's monotonic
+        clock, so that messages put within one millisecond were taken in any order
+        (and, when the count gained a digit, later ones first); here the nanoseconds
+        are written with every digit."""
+        name = f"{monotonic_ns():020d}_{uuid.uuid4()}.{queue}.msg"
         path = os.path.join(self.data_folder_out, name)
         body = str_to_bytes(dumps(payload))
         try:

@@ -243,6 +243,32 @@ def test_a_message_is_delivered_again_when_its_taker_is_killed_before_acknowledg
                 os.kill(child, signal.SIGKILL)
 
 
+def test_messages_are_taken_in_the_order_they_were_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """All within one millisecond of the clock, as a sweep puts its probe jobs on a fast
+    machine (Kombu's names took them in any order then), and more put while a worker
+    still has the earlier ones listed."""
+    monkeypatch.setattr(broker, "monotonic", lambda: 1000.0)
+    with Connection(transport=broker.Transport, transport_options=folders(tmp_path)) as c:
+        queue = c.SimpleQueue("tasks")
+        for n in range(300):
+            queue.put(n)
+        taken = []
+        for _ in range(150):
+            message = queue.get(timeout=1)
+            taken.append(message.payload)
+            message.ack()
+        for n in range(300, 400):
+            queue.put(n)
+        while len(taken) < 400:
+            message = queue.get(timeout=1)
+            taken.append(message.payload)
+            message.ack()
+
+    assert taken == list(range(400))
+
+
 def test_a_worker_whose_held_folder_was_removed_takes_messages_still(
     channel: broker.Channel, tmp_path: Path
 ) -> None:
