@@ -90,7 +90,8 @@ class Channel(filesystem.Channel):
         message with 10,000 waiting: a worker lists it again only once it has tried
         every name of its last listing (taken by others meanwhile, or by itself)."""
         if monotonic() - self._last_put_back >= PUT_BACK_EVERY_SECONDS:
-            put_back_what_the_dead_held(self.held_folder, self.data_folder_in)
+            if put_back_what_the_dead_held(self.held_folder, self.data_folder_in):
+                self._listed.clear()  # older than what is listed: their turn first
             self._last_put_back = monotonic()
         mine = _own_folder(self.held_folder)
         listed, listed_now = self._listed.get(queue, []), False
@@ -244,14 +245,15 @@ def _bindings(table: IO[bytes]) -> Bindings:
     return [exchange_queue_t(*binding) for binding in loads(bytes_to_str(written))]
 
 
-def put_back_what_the_dead_held(held_folder: str, queue_folder: str) -> None:
+def put_back_what_the_dead_held(held_folder: str, queue_folder: str) -> int:
     """Put back on their queues the messages held by processes that are gone, under
-    the names they had, so that they are taken again in their turn.
+    the names they had, so that they are taken again in their turn; how many.
 
     A process holds the lock of its folder from the moment the folder has its name until
     it ends, however it ends (the kernel lets go of a killed process's locks), so a
     folder whose lock can be taken is a dead process's. The folder is emptied and
     removed under that lock, so two processes looking at once do not both empty it."""
+    put_back = 0
     with contextlib.suppress(FileNotFoundError):
         for name in os.listdir(held_folder):
             if name.startswith("."):
@@ -271,10 +273,12 @@ def put_back_what_the_dead_held(held_folder: str, queue_folder: str) -> None:
                         os.rename(
                             os.path.join(folder, message), os.path.join(queue_folder, message)
                         )
+                        put_back += 1
                 os.unlink(os.path.join(folder, LOCK))
                 os.rmdir(folder)
             finally:
                 os.close(lock)
+    return put_back
 
 
 # This process's folder in each held folder, with the descriptor that locks it.

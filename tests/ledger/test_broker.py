@@ -280,6 +280,36 @@ def test_a_worker_whose_held_folder_was_removed_takes_messages_still(
     assert channel._get("tasks") == {"body": "second"}
 
 
+def test_a_message_put_back_from_a_killed_taker_comes_before_newer_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Even when the worker had the newer ones listed already."""
+    monkeypatch.setattr(broker, "PUT_BACK_EVERY_SECONDS", 0)
+    with Connection(transport=broker.Transport, transport_options=folders(tmp_path)) as c:
+        queue = c.SimpleQueue("tasks")
+        queue.put("refund 1")
+        process = subprocess.Popen(
+            [sys.executable, "-c", TAKE, json.dumps(folders(tmp_path)), "holds"],
+            cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert process.stdout is not None
+            assert json.loads(process.stdout.readline())["payload"] == "refund 1"
+            for n in (2, 3, 4):
+                queue.put(f"refund {n}")
+            taken = [queue.get(timeout=1)]  # 3 and 4 stay listed
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            taken += [queue.get(timeout=1) for _ in range(3)]
+        finally:
+            process.kill()
+            process.wait()
+        for message in taken:
+            message.ack()
+
+    assert [m.payload for m in taken] == ["refund 2", "refund 1", "refund 3", "refund 4"]
+
+
 def test_a_message_requeued_or_left_unacknowledged_at_close_goes_back_once(
     tmp_path: Path,
 ) -> None:
