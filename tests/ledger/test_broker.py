@@ -182,7 +182,7 @@ def test_workers_take_every_message_of_busy_producers_once(tmp_path: Path) -> No
 # Takes one message as `sys.argv[2]` says (and forks a child that outlives it, if told
 # to), says so, and waits to be killed.
 TAKE = """
-import json, os, sys, time
+import json, os, signal, sys
 from kombu import Connection
 options = json.loads(sys.argv[1])
 with Connection(transport="ledger.broker:Transport", transport_options=options) as c:
@@ -192,8 +192,7 @@ with Connection(transport="ledger.broker:Transport", transport_options=options) 
         message.ack()
     child = os.fork() if sys.argv[2] == "forks" else None
     if child == 0:
-        time.sleep(600)
-        os._exit(0)
+        signal.pause()  # until the test kills it
     print(json.dumps({"payload": message.payload, "child": child}), flush=True)
     sys.stdin.read()
 """
@@ -331,7 +330,7 @@ def test_a_message_requeued_or_left_unacknowledged_at_close_goes_back_once(
 
 
 CELERY_APP = """
-import json, os, time
+import json, os
 from pathlib import Path
 from celery import Celery
 
@@ -348,8 +347,8 @@ app.conf.update(
 @app.task(name="refund")
 def refund() -> None:
     (folder / f"started by {os.getpid()}").touch()
-    while not (folder / "go").exists():
-        time.sleep(0.05)
+    with open(folder / "go"):  # a FIFO: waits until the test opens it to write
+        pass
     (folder / f"done by {os.getpid()}").touch()
 """
 
@@ -361,6 +360,7 @@ def test_a_celery_worker_killed_in_a_job_leaves_it_to_the_next_worker(tmp_path: 
     (tmp_path / "jobs.py").write_text(CELERY_APP)
     jobs = tmp_path / "jobs"
     jobs.mkdir()
+    os.mkfifo(jobs / "go")
     env = {
         **os.environ,
         "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
@@ -388,7 +388,8 @@ def test_a_celery_worker_killed_in_a_job_leaves_it_to_the_next_worker(tmp_path: 
 
         second = worker()
         wait_for(lambda: (jobs / f"started by {second.pid}").exists())
-        (jobs / "go").touch()
+        with open(jobs / "go", "w"):  # lets the job go on
+            pass
         wait_for(lambda: (jobs / f"done by {second.pid}").exists())
         assert sorted(file.name for file in jobs.iterdir()) == sorted(
             ["go", f"started by {first.pid}", f"started by {second.pid}", f"done by {second.pid}"]
