@@ -277,6 +277,9 @@ class InvocationQuerySet(models.QuerySet["Invocation"]):
     def lease_expired(self, now: datetime) -> InvocationQuerySet:
         return self.filter(status=policy.Status.RECONCILING, lease_expires_at__lte=now)
 
+    def lease_running(self, now: datetime) -> InvocationQuerySet:
+        return self.filter(status=policy.Status.RECONCILING, lease_expires_at__gt=now)
+
 
 # The columns fixed at intent time that the intent's event records, and where in its
 # data: a row edited there would decide retries (the hints), two-person approval (the

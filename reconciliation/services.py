@@ -9,10 +9,13 @@ both settle the same invocation.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+import logging
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from django.conf import settings
+from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from ledger import policy
@@ -25,6 +28,8 @@ from ledger.services import (
     shared_reference_data,
 )
 from reconciliation.probes import Finding, ProbeResult
+
+log = logging.getLogger(__name__)
 
 FINDING_EFFECT = {Finding.PRESENT: policy.Effect.PRESENT, Finding.ABSENT: policy.Effect.ABSENT}
 # How many of the other invocations naming a reference a refusal and an event list.
@@ -244,6 +249,93 @@ def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
         invocation_id=invocation_id,
         actor="ledger:sweeper",
         kind="lease_expired",
+        change=change,
+        now=now,
+    )
+    return changed is not None
+
+
+# The advisory locks a probe worker holds on its database session, one per invocation
+# (two-key form, so no one-key lock of the ledger's can collide with them).
+PROBE_LOCKS = "ledger.probe"
+
+
+@contextmanager
+def probe_lock(invocation_id: str) -> Iterator[None]:
+    """Hold the invocation's probe lock on this worker's database session from before
+    its claim until after its result is recorded.
+
+    PostgreSQL lets go of a session's locks when the session ends, however its process
+    died, so a claim whose lock no session holds is a lost worker's:
+    `release_lost_claim` reopens it without waiting for its lease. The lock is a
+    shortcut, never a guard: a worker that cannot take it (another holds it, or two ids
+    share a hash) claims as before, and the worst a claim released early does is have
+    one more read-only probe asked, whose result its compare-and-set drops."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))", [PROBE_LOCKS, invocation_id]
+        )
+        (held,) = cursor.fetchone()
+    try:
+        yield
+    finally:
+        if held:
+            _let_go_of_probe_lock(invocation_id)
+
+
+def _let_go_of_probe_lock(invocation_id: str) -> None:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_advisory_unlock(hashtext(%s), hashtext(%s))",
+                [PROBE_LOCKS, invocation_id],
+            )
+    except DatabaseError as exc:
+        # A session that cannot run this is gone or going, and its locks with it.
+        log.warning("probe lock not released invocation=%s error=%s", invocation_id, exc)
+
+
+def without_probe_lock(invocation_ids: Collection[str]) -> set[str]:
+    """Those of the invocations whose probe lock no database session holds."""
+    if not invocation_ids:
+        return set()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT id FROM unnest(%s::text[]) AS id
+            WHERE NOT EXISTS (
+                SELECT FROM pg_locks
+                WHERE locktype = 'advisory' AND granted AND objsubid = 2
+                  AND classid = hashtext(%s)::oid AND objid = hashtext(id)::oid
+            )
+            """,
+            [list(invocation_ids), PROBE_LOCKS],
+        )
+        return {invocation_id for (invocation_id,) in cursor.fetchall()}
+
+
+def release_lost_claim(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
+    """Reopen an invocation whose probe worker is gone before its lease runs out.
+
+    The lock is looked at after the claim is read: a worker still probing took it
+    before its claim was written and lets go only after its result was, and a result
+    written meanwhile makes this compare-and-set load the invocation again."""
+
+    def change(invocation: Invocation) -> dict[str, Any] | None:
+        expires = invocation.lease_expires_at
+        if invocation.status != policy.Status.RECONCILING or expires is None:
+            return None
+        if not without_probe_lock([invocation.invocation_id]):
+            return None
+        owner = invocation.lease_owner
+        invocation.apply_state(policy.release(invocation.state()))
+        _clear_lease(invocation)
+        return {"worker": owner, "lease_expires_at": expires.isoformat()}
+
+    changed = invocation_transition(
+        invocation_id=invocation_id,
+        actor="ledger:sweeper",
+        kind="probe_worker_lost",
         change=change,
         now=now,
     )

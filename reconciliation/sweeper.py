@@ -1,5 +1,6 @@
 """The beat's work: flag in-flight attempts past their deadline as missing evidence,
-reopen probes whose worker died, and send the probe jobs that are due."""
+reopen probes whose worker died (or whose lease ran out), and send the probe jobs that
+are due."""
 
 from __future__ import annotations
 
@@ -118,6 +119,19 @@ def expire_leases(*, now: dt.datetime | None = None, batch: int = 500) -> int:
         .values_list("invocation_id", flat=True)[:batch]
     )
     return sum(_one(services.expire_lease, i, now) for i in expired)
+
+
+def release_lost_claims(*, now: dt.datetime | None = None, batch: int = 500) -> int:
+    """Reopen invocations whose probe worker is gone (its database session, and with it
+    its probe lock, ended) without waiting for their lease to run out."""
+    now = now or timezone.now()
+    claimed = (
+        Invocation.objects.lease_running(now)
+        .order_by("lease_expires_at")
+        .values_list("invocation_id", flat=True)[:batch]
+    )
+    lost = services.without_probe_lock(list(claimed))
+    return sum(_one(services.release_lost_claim, i, now) for i in sorted(lost))
 
 
 def due_for_probe(*, now: dt.datetime | None = None, batch: int = 1000) -> list[str]:

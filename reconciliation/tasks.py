@@ -25,6 +25,7 @@ def worker_name() -> str:
 def sweep_overdue_attempts() -> int:
     """Beat runs this every LEDGER_SWEEP_INTERVAL_SECONDS."""
     flagged = sweeper.sweep()
+    sweeper.release_lost_claims()
     sweeper.expire_leases()
     sweeper.send_due_probes(reconcile_invocation.delay)
     return flagged
@@ -33,7 +34,11 @@ def sweep_overdue_attempts() -> int:
 @shared_task(acks_late=True, ignore_result=True)
 def reconcile_invocation(invocation_id: str, force: bool = False) -> str:
     """Claim, probe (read-only), record. Returns what happened, for logs and tests."""
-    worker = worker_name()
+    with services.probe_lock(invocation_id):
+        return _reconcile(invocation_id, worker_name(), force)
+
+
+def _reconcile(invocation_id: str, worker: str, force: bool) -> str:
     try:
         invocation = services.invocation_claim(
             invocation_id=invocation_id, worker=worker, force=force

@@ -9,6 +9,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection
 from django.test import override_settings
@@ -17,10 +18,10 @@ from django.utils import timezone
 from ledger import policy
 from ledger.models import Capability, Invocation, NamedReference
 from ledger.services import LedgerError, flag_missing_evidence
-from reconciliation import probes, services
+from reconciliation import probes, services, sweeper
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
-from tests.conftest import Api
+from tests.conftest import Api, wait_for
 from tests.reconciliation.conftest import perform_refund
 
 
@@ -298,6 +299,89 @@ def test_only_one_claim_holds_and_an_expired_lease_reopens(api: Api, refunds: Ca
         "reconciliation_claimed",
         "probe_run",
     ]
+
+
+def test_a_claim_whose_worker_is_gone_reopens_before_its_lease_runs_out(
+    api: Api, refunds: Capability
+) -> None:
+    """A worker holds its probe lock in its own database session, which PostgreSQL ends
+    however the worker died: the sweep reopens that claim then, not a lease later, and
+    leaves a live worker's claim alone."""
+    flagged(api)
+    worker = psycopg.connect(**connection.get_connection_params(), autocommit=True)
+    locked = worker.execute(
+        "SELECT pg_try_advisory_lock(hashtext(%s), hashtext('inv-1'))", [services.PROBE_LOCKS]
+    ).fetchone()
+    assert locked == (True,)
+    claimed = services.invocation_claim(invocation_id="inv-1", worker="host:42")
+    assert claimed is not None and claimed.lease_expires_at is not None
+    assert sweeper.release_lost_claims() == 0
+    assert sweeper.expire_leases() == 0
+    assert Invocation.objects.get().status == "reconciling"
+
+    worker.close()  # the worker's session ends, and its lock with it
+    wait_for(lambda: sweeper.release_lost_claims() == 1)
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.lease_owner, invocation.lease_expires_at) == (
+        "reconciliation_required", "", None,
+    )  # fmt: skip
+    lost = invocation.events.get(kind="probe_worker_lost")
+    assert lost.actor == "ledger:sweeper"
+    assert (lost.data["worker"], lost.data["lease_expires_at"]) == (
+        "host:42", claimed.lease_expires_at.isoformat(),
+    )  # fmt: skip
+    assert lost.data["state"]["status"] == "reconciliation_required"
+    assert lost.created_at < claimed.lease_expires_at
+    assert sweeper.release_lost_claims() == 0
+    assert services.invocation_claim(invocation_id="inv-1", worker="host:43")
+
+
+def test_a_probe_job_holds_the_lock_while_it_probes_and_lets_go_however_it_ends(
+    api: Api, refunds: Capability, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flagged(api)
+    refunds.probe = {"kind": "python", "callable": f"{__name__}.sees_its_lock_held"}
+    refunds.save()
+    settings.LEDGER_PYTHON_PROBES = [refunds.probe["callable"]]
+    assert reconcile_invocation.run("inv-1") == "recorded"
+    assert Invocation.objects.get().events.get(kind="probe_run").data["detail"] == "lock held"
+    assert services.without_probe_lock(["inv-1"]) == {"inv-1"}
+
+    flagged(api, "inv-2", key="refund-SO-2")
+    monkeypatch.setattr(probes, "run", crashes)  # the job itself fails, not the probe
+    with pytest.raises(MemoryError):
+        reconcile_invocation.run("inv-2")
+    assert services.without_probe_lock(["inv-2"]) == {"inv-2"}
+
+
+def sees_its_lock_held(invocation: Invocation) -> probes.ProbeResult:
+    held = not services.without_probe_lock([invocation.invocation_id])
+    return probes.ProbeResult(
+        probes.Finding.INCONCLUSIVE, detail=f"lock {'held' if held else 'free'}"
+    )
+
+
+def crashes(config: dict[str, Any], invocation: Invocation) -> probes.ProbeResult:
+    raise MemoryError
+
+
+def test_a_probe_job_whose_lock_another_session_holds_still_claims_and_probes(
+    api: Api, refunds: Capability, settings: Any
+) -> None:
+    """The lock only shortens a lost worker's wait; it never stops a probe, so one held
+    by a session that no longer probes (behind a transaction-mode pooler, say) delays
+    nothing but the early release."""
+    flagged(api)
+    refunds.probe = {"kind": "python", "callable": f"{__name__}.always_present"}
+    refunds.save()
+    settings.LEDGER_PYTHON_PROBES = [refunds.probe["callable"]]
+    with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
+        other.execute(
+            "SELECT pg_advisory_lock(hashtext(%s), hashtext('inv-1'))", [services.PROBE_LOCKS]
+        )
+        assert reconcile_invocation.run("inv-1") == "recorded"
+        assert services.without_probe_lock(["inv-1"]) == set()  # still the other's
+    assert Invocation.objects.get().status == "succeeded"
 
 
 def ada_finds_rf_77() -> Invocation:

@@ -109,6 +109,44 @@ def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
 
 
 @pytest.mark.embedded_broker
+def test_a_worker_killed_mid_probe_is_found_gone_without_waiting_for_its_lease(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers, tmp_path: Path
+) -> None:
+    """Its database session ended with it, and its probe lock with the session: beat's
+    next sweep reopens the invocation, ten minutes before the lease would run out."""
+    Capability.objects.filter(pk=refunds.pk).update(
+        probe={**standin.probe_config(), "read_timeout": 60}
+    )
+    api.intent(attempt_id="a1")
+    perform_refund(standin, "refund-SO-1")
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
+    standin.refunds.set_mode("slow")
+    doomed = workers.start(LEDGER_PROBE_LEASE_SECONDS="600")
+    reconcile_invocation.delay("inv-1")
+    lookups = standin.refunds.lookups_started
+    wait_for(lambda: standin.refunds.lookups_started > lookups)
+    workers.kill(doomed)
+    standin.refunds.set_mode("normal")
+    workers.start()
+    workers.beat(tmp_path)
+    wait_for(lambda: status_of("inv-1") in SETTLED)
+    invocation = Invocation.objects.get()
+    assert invocation.status == "succeeded"
+    events = list(invocation.events.order_by("seq"))
+    assert [event.kind for event in events[3:]] == [
+        "reconciliation_claimed",
+        "probe_worker_lost",
+        "reconciliation_claimed",
+        "probe_run",
+    ]
+    lost = events[4]
+    assert lost.data["worker"] == events[3].data["worker"]
+    assert lost.created_at < dt.datetime.fromisoformat(lost.data["lease_expires_at"])
+    assert standin.refunds.count() == 1
+
+
+@pytest.mark.embedded_broker
 def test_two_workers_racing_for_200_invocations_settle_each_exactly_once(
     api: Api, refunds: Capability, standin: StandInService, workers: Workers
 ) -> None:
