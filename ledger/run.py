@@ -1,12 +1,19 @@
-"""Run the whole ledger on one machine: web (gunicorn), Celery worker and beat.
+"""Run the whole ledger on one machine: web (gunicorn), Celery workers and beat.
 
     python -m ledger.run            (what `make run` does)
 
 With no DATABASE_URL it starts the embedded PostgreSQL from the pgserver wheel under
-.data/pg; with no CELERY_BROKER_URL the worker and beat use Kombu's filesystem
-broker under .data/broker. Both are the settings' defaults, so `manage.py` commands
-run beside it reach the same database and broker. What exits is started again (`Child`,
-`keep_embedded_postgres_running`); Ctrl-C stops everything.
+.data/pg; with no CELERY_BROKER_URL the workers and beat use the embedded broker
+(ledger/broker.py) under .data/broker. Both are the settings' defaults, so `manage.py`
+commands run beside it reach the same database and broker. What exits is started again
+(`Child`, `keep_embedded_postgres_running`); Ctrl-C stops everything.
+
+The workers are WORKER_CONCURRENCY (2) Celery workers of one process each (`--pool
+solo`), not one worker with a prefork pool: on a broker without an event loop, as the
+embedded one, the prefork pool hands jobs to its processes through one pipe behind
+one lock, which an idle process holds while it waits; one process killed alone (by
+the kernel, for memory) left the lock held, and the worker never ran a job again.
+A worker of one process dies whole, and `Child` starts it again.
 """
 
 from __future__ import annotations
@@ -146,6 +153,11 @@ def main() -> int:
             flush=True,
         )
         return 1
+    workers = os.environ.get("WORKER_CONCURRENCY", "2")
+    if not (workers.isdecimal() and int(workers) >= 1):
+        print(f"WORKER_CONCURRENCY must be a whole number of workers, at least 1, not "
+              f"{workers!r}", file=sys.stderr, flush=True)  # fmt: skip
+        return 2
     server = None if "DATABASE_URL" in os.environ else start_embedded_postgres()
     manage("migrate", "--no-input")
     manage("collectstatic", "--no-input", "--verbosity", "0")
@@ -157,15 +169,18 @@ def main() -> int:
             "--workers", os.environ.get("WEB_WORKERS", "2"),
             "--threads", os.environ.get("WEB_THREADS", "8"),
         ],
-        "worker": [
-            python, "-m", "celery", "-A", "ledger", "worker",
-            "--concurrency", os.environ.get("WORKER_CONCURRENCY", "2"),
-        ],
+        **{
+            f"worker-{n}": [
+                python, "-m", "celery", "-A", "ledger", "worker",
+                "--pool", "solo", "--hostname", f"worker{n}@%h",
+            ]
+            for n in range(1, int(workers) + 1)
+        },
         "beat": [python, "-m", "celery", "-A", "ledger", "beat"],
     }  # fmt: skip
     children = {name: Child(name, command) for name, command in commands.items()}
     print(
-        f"ledger running (web, Celery worker and beat); Ctrl-C stops.\n"
+        f"ledger running (web, {workers} Celery workers and beat); Ctrl-C stops.\n"
         f"  console   http://{BIND}/  (a login: uv run python manage.py createsuperuser)\n"
         f"  API docs  http://{BIND}/api/docs/  (a runtime token: "
         "uv run python manage.py create_runtime NAME)",

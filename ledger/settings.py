@@ -326,6 +326,11 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         # default, 1 s, held the embedded ledger to about two jobs a second).
         "polling_interval": 0.1,
     }
+    # A worker started by hand runs its jobs in threads: on a broker without an event
+    # loop, prefork's processes take their jobs through one pipe behind one lock, which
+    # one of them killed alone leaves held, and the worker runs no job again
+    # (ledger/run.py starts workers of one process each).
+    CELERY_WORKER_POOL = "threads"
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

@@ -4,6 +4,7 @@ address starts nothing."""
 
 from __future__ import annotations
 
+import datetime as dt
 import errno
 import os
 import re
@@ -19,10 +20,20 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from django.utils import timezone
 from gunicorn.ctl.client import ControlClient
 
 from ledger import run
-from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, answers_200, process_env, wait_for
+from ledger.models import Capability, Invocation
+from tests.conftest import (
+    LOG_RECORD,
+    LOG_TIME,
+    ROOT,
+    Api,
+    answers_200,
+    process_env,
+    wait_for,
+)
 
 START = (
     "from ledger.run import start_embedded_postgres; server = start_embedded_postgres(); "
@@ -312,7 +323,7 @@ def test_ctrl_c_stops_web_worker_and_beat_and_frees_the_port(
 ) -> None:
     with make_run(tmp_path, WEB_WORKERS="2") as ledger:
         wait_for(ledger.ready, seconds=120)
-        # gunicorn, its two workers, the Celery worker with its pool, and beat.
+        # gunicorn, its two workers, two Celery workers, and beat.
         wait_for(lambda: len(descendants(ledger.process.pid)) >= 6)
         processes = descendants(ledger.process.pid)
         # Its gunicorn's control socket is in its data folder, and is this gunicorn's.
@@ -357,22 +368,66 @@ def test_a_worker_killed_is_started_again_and_the_rest_keep_running(
         worker, web = ledger.child("celery", "worker"), ledger.child("gunicorn")
         assert worker is not None and web is not None
 
-        os.killpg(worker, signal.SIGKILL)  # the worker and its pool, by the kernel
+        name = next(word for word in run.command_line(worker) if word.endswith(b"@%h"))
+        os.killpg(worker, signal.SIGKILL)  # by the kernel
 
-        wait_for(lambda: ledger.child("celery", "worker") not in {None, worker})
-        assert "worker exited with -9; starting it again" in ledger.out.read_text()
+        wait_for(lambda: ledger.child("celery", "worker", os.fsdecode(name)) not in {None, worker})
+        number = name.removeprefix(b"worker").split(b"@")[0].decode()
+        assert f"worker-{number} exited with -9; starting it again" in ledger.out.read_text()
         assert ledger.child("gunicorn") == web and ledger.ready()
         assert ledger.process.poll() is None
         os.killpg(ledger.process.pid, signal.SIGINT)
         assert ledger.process.wait(timeout=60) == 0
 
 
-def test_a_worker_that_cannot_start_stops_the_ledger_after_three_tries(
+def job_runners(ledger: Ledger) -> set[int]:
+    """The processes of its Celery workers that run jobs: those with no process below."""
+    below = descendants(ledger.process.pid)
+    parents = {live_processes().get(pid, (0,))[0] for pid in below}
+    return {pid for pid in below - parents if {b"celery", b"worker"} <= set(run.command_line(pid))}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_any_process_running_jobs_killed_alone_leaves_the_jobs_running(
+    api: Api, refund: Capability, tmp_path: Path
+) -> None:
+    """The kernel kills one process for memory, not a worker's whole group. On the
+    embedded broker, which has no event loop, Celery's prefork pool fed its processes
+    from one pipe behind one lock, which an idle process holds while it waits for a job:
+    killed, it left the lock held, and the worker never ran a job again (seen with
+    py-spy)."""
+    with make_run(
+        tmp_path, CELERY_BROKER_URL="filesystem://localhost//", LEDGER_SWEEP_INTERVAL_SECONDS="1"
+    ) as ledger:
+        wait_for(ledger.ready, seconds=120)
+        wait_for(lambda: len(job_runners(ledger)) >= 2)
+        for pid in job_runners(ledger):
+            os.kill(pid, signal.SIGKILL)
+        api.intent(attempt_id="a1")
+        Invocation.objects.update(deadline_at=timezone.now() - dt.timedelta(seconds=1))
+        # Beat's sweep, run by a worker, flags it (and, with no probe, escalates it).
+        wait_for(lambda: Invocation.objects.get().status != "in_flight")
+        assert Invocation.objects.get().failure_class == "post_dispatch_evidence_failed"
+
+
+def test_a_child_that_cannot_start_stops_the_ledger_after_three_tries(
     transactional_db: None, tmp_path: Path
 ) -> None:
-    with make_run(tmp_path, WORKER_CONCURRENCY="many") as ledger:
+    with make_run(tmp_path, WEB_THREADS="many") as ledger:
         assert ledger.process.wait(timeout=120) == 1
         said = ledger.out.read_text()
-        assert said.count("worker exited with 2; starting it again") == 2
-        assert f"worker exited with 2, 3 times within {run.QUICK_EXIT_SECONDS} s" in said
+        assert said.count("web exited with 2; starting it again") == 2
+        assert f"web exited with 2, 3 times within {run.QUICK_EXIT_SECONDS} s" in said
         assert not descendants(ledger.process.pid)
+
+
+def test_a_number_of_workers_that_is_not_one_is_refused_before_anything_starts(
+    transactional_db: None, tmp_path: Path
+) -> None:
+    with make_run(tmp_path, WORKER_CONCURRENCY="0") as ledger:
+        assert ledger.process.wait(timeout=60) == 2
+        assert (
+            "WORKER_CONCURRENCY must be a whole number of workers, at least 1, not '0'"
+            in (tmp_path / "err").read_text()
+        )
+        assert not (tmp_path / "data").exists()

@@ -7,10 +7,12 @@ import datetime as dt
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from django.db import connection
 from django.db.models import Count, Q
@@ -23,7 +25,7 @@ from ledger.partitions import create_event_partitions, month_partition, partitio
 from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
-from tests.conftest import LOG_RECORD, LOG_TIME, Api, person, registered, wait_for
+from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, Api, person, registered, wait_for
 from tests.reconciliation.conftest import Workers, perform_refund, reported_lost, status_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -144,6 +146,27 @@ def test_a_worker_killed_mid_probe_is_found_gone_without_waiting_for_its_lease(
     assert lost.data["worker"] == events[3].data["worker"]
     assert lost.created_at < dt.datetime.fromisoformat(lost.data["lease_expires_at"])
     assert standin.refunds.count() == 1
+
+
+def test_a_worker_started_by_hand_on_the_embedded_broker_runs_its_jobs_in_threads(
+    api: Api, refunds: Capability, workers: Workers, tmp_path: Path
+) -> None:
+    """Not in prefork's processes, which take their jobs through one pipe behind one
+    lock on a broker without an event loop (ledger/run.py)."""
+    embedded = {"CELERY_BROKER_URL": "filesystem://localhost//", "LEDGER_DATA_DIR": str(tmp_path)}
+    worker = workers.start(
+        pool=None, CELERY_BROKER_URL=embedded["CELERY_BROKER_URL"], LEDGER_DATA_DIR=str(tmp_path)
+    )
+    api.intent(attempt_id="a1")
+    Invocation.objects.update(deadline_at=timezone.now() - dt.timedelta(seconds=1))
+    subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "ledger", "call",
+         "reconciliation.tasks.sweep_overdue_attempts"],
+        cwd=ROOT, env={**workers.env, **embedded}, check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait_for(lambda: status_of("inv-1") != "in_flight")
+    assert Invocation.objects.get().failure_class == "post_dispatch_evidence_failed"
+    assert psutil.Process(worker.pid).children() == []
 
 
 @pytest.mark.embedded_broker
