@@ -215,7 +215,9 @@ def main() -> int:
 
 
 # A child that exits sooner than this after it started, this many times in a row, is
-# failing to start (a setting it refuses, say): the ledger stops rather than loop.
+# failing to start (a setting it refuses, say): the ledger stops rather than loop. One
+# killed with SIGKILL (by the kernel for memory, or a person) did not fail: however
+# soon and often, it is started again.
 QUICK_EXIT_SECONDS = 10
 QUICK_EXITS = 3
 
@@ -237,7 +239,7 @@ class Child:
         if code is None:
             return True
         stop([self.process])  # whatever it left in its group (a pool's processes)
-        quick = time.monotonic() - self.started < QUICK_EXIT_SECONDS
+        quick = time.monotonic() - self.started < QUICK_EXIT_SECONDS and code != -signal.SIGKILL
         self.quick_exits = self.quick_exits + 1 if quick else 0
         if self.quick_exits >= QUICK_EXITS:
             print(
