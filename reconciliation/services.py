@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, OperationalError, connection, transaction
 from django.utils import timezone
 
 from ledger import policy
@@ -260,6 +260,12 @@ def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
 PROBE_LOCKS = "ledger.probe"
 
 
+# How long a job waits for a probe lock another session holds: longer than a claim's
+# transaction, which a job holding the lock may be in, and short, as a job that holds
+# it longer has claimed and probes, and this job's claim would find it claimed.
+PROBE_LOCK_WAIT = "2s"
+
+
 @contextmanager
 def probe_lock(invocation_id: str) -> Iterator[None]:
     """Hold the invocation's probe lock on this worker's database session from before
@@ -268,19 +274,32 @@ def probe_lock(invocation_id: str) -> Iterator[None]:
     PostgreSQL lets go of a session's locks when the session ends, however its process
     died, so a claim whose lock no session holds is a lost worker's:
     `release_lost_claim` reopens it without waiting for its lease. The lock is a
-    shortcut, never a guard: a worker that cannot take it (another holds it, or two ids
-    share a hash) claims as before, and the worst a claim released early does is have
-    one more read-only probe asked, whose result its compare-and-set drops."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))", [PROBE_LOCKS, invocation_id]
-        )
-        (held,) = cursor.fetchone()
+    shortcut, never a guard: a job that cannot take it within PROBE_LOCK_WAIT (a
+    session that no longer probes holds it, behind a transaction-mode pooler say, or
+    two ids share a hash) claims as before, and the worst a claim released early does
+    is have one more read-only probe asked, whose result its compare-and-set drops."""
+    held = _take_probe_lock(invocation_id)
     try:
         yield
     finally:
         if held:
             _let_go_of_probe_lock(invocation_id)
+
+
+def _take_probe_lock(invocation_id: str) -> bool:
+    try:
+        # (Its own transaction for the wait, which SET LOCAL ends with it; the lock,
+        # a session's, outlives it.)
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [PROBE_LOCK_WAIT])
+            cursor.execute(
+                "SELECT pg_advisory_lock(hashtext(%s), hashtext(%s))",
+                [PROBE_LOCKS, invocation_id],
+            )
+        return True
+    except OperationalError as exc:
+        log.info("probe lock held elsewhere invocation=%s error=%s", invocation_id, exc)
+        return False
 
 
 def _let_go_of_probe_lock(invocation_id: str) -> None:

@@ -355,9 +355,19 @@ def test_a_probe_job_holds_the_lock_while_it_probes_and_lets_go_however_it_ends(
 
 
 def sees_its_lock_held(invocation: Invocation) -> probes.ProbeResult:
-    held = not services.without_probe_lock([invocation.invocation_id])
+    """Whether the job's own session holds the invocation's probe lock as it probes."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT count(*) FROM pg_locks
+            WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()
+              AND objsubid = 2 AND classid = hashtext(%s)::oid AND objid = hashtext(%s)::oid
+            """,
+            [services.PROBE_LOCKS, invocation.invocation_id],
+        )
+        (held,) = cursor.fetchone()
     return probes.ProbeResult(
-        probes.Finding.INCONCLUSIVE, detail=f"lock {'held' if held else 'free'}"
+        probes.Finding.INCONCLUSIVE, detail=f"lock {'held' if held else 'not held'}"
     )
 
 
@@ -365,14 +375,46 @@ def crashes(config: dict[str, Any], invocation: Invocation) -> probes.ProbeResul
     raise MemoryError
 
 
-def test_a_probe_job_whose_lock_another_session_holds_still_claims_and_probes(
+def test_a_probe_job_waits_briefly_for_a_lock_another_job_holds_then_takes_it(
     api: Api, refunds: Capability, settings: Any
 ) -> None:
-    """The lock only shortens a lost worker's wait; it never stops a probe, so one held
-    by a session that no longer probes (behind a transaction-mode pooler, say) delays
-    nothing but the early release."""
+    """Another job for the same invocation may hold the lock for the moment of its claim:
+    this one waits for it rather than claim without it (a claim the sweep would then
+    take for a lost worker's)."""
     flagged(api)
-    refunds.probe = {"kind": "python", "callable": f"{__name__}.always_present"}
+    refunds.probe = {"kind": "python", "callable": f"{__name__}.sees_its_lock_held"}
+    refunds.save()
+    settings.LEDGER_PYTHON_PROBES = [refunds.probe["callable"]]
+    params = connection.get_connection_params()
+    with psycopg.connect(**params, autocommit=True) as other:
+        take = "SELECT pg_advisory_lock(hashtext(%s), hashtext('inv-1'))"
+        other.execute(take, [services.PROBE_LOCKS])
+
+        def let_go_once_the_job_waits() -> None:
+            with psycopg.connect(**params, autocommit=True) as onlooker:
+                waiting = (
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                )
+                wait_for(lambda: onlooker.execute(waiting).fetchone() == (1,))
+            other.execute(
+                take.replace("pg_advisory_lock", "pg_advisory_unlock"), [services.PROBE_LOCKS]
+            )
+
+        letting_go = threading.Thread(target=let_go_once_the_job_waits)
+        letting_go.start()
+        assert reconcile_invocation.run("inv-1") == "recorded"
+        letting_go.join()
+    assert Invocation.objects.get().events.get(kind="probe_run").data["detail"] == "lock held"
+
+
+def test_a_probe_job_whose_lock_another_session_keeps_still_claims_and_probes(
+    api: Api, refunds: Capability, settings: Any
+) -> None:
+    """The lock only shortens a lost worker's wait; it never stops a probe. One kept by
+    a session that no longer probes (behind a transaction-mode pooler, say) leaves the
+    job to claim without it once it has waited PROBE_LOCK_WAIT."""
+    flagged(api)
+    refunds.probe = {"kind": "python", "callable": f"{__name__}.sees_its_lock_held"}
     refunds.save()
     settings.LEDGER_PYTHON_PROBES = [refunds.probe["callable"]]
     with psycopg.connect(**connection.get_connection_params(), autocommit=True) as other:
@@ -381,7 +423,9 @@ def test_a_probe_job_whose_lock_another_session_holds_still_claims_and_probes(
         )
         assert reconcile_invocation.run("inv-1") == "recorded"
         assert services.without_probe_lock(["inv-1"]) == set()  # still the other's
-    assert Invocation.objects.get().status == "succeeded"
+    probe_run = Invocation.objects.get().events.get(kind="probe_run")
+    assert probe_run.data["detail"] == "lock not held"
+    assert services.without_probe_lock(["inv-1"]) == {"inv-1"}
 
 
 def ada_finds_rf_77() -> Invocation:
