@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 
 from celery import shared_task
 
@@ -18,7 +19,14 @@ log = logging.getLogger(__name__)
 
 
 def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """Who holds a claim: the machine and process, and the thread when a worker runs its
+    jobs in threads (the embedded broker's default pool), so that a job whose lease
+    was taken over by another thread of its process cannot record its answer as if it
+    still held the claim."""
+    name = f"{socket.gethostname()}:{os.getpid()}"
+    if threading.current_thread() is not threading.main_thread():
+        name += f"/{threading.get_native_id()}"
+    return name
 
 
 @shared_task(acks_late=True, ignore_result=True)

@@ -20,7 +20,7 @@ from ledger.models import Capability, Invocation, NamedReference
 from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services, sweeper
 from reconciliation.standin import StandInService
-from reconciliation.tasks import reconcile_invocation
+from reconciliation.tasks import reconcile_invocation, worker_name
 from tests.conftest import Api, wait_for
 from tests.reconciliation.conftest import perform_refund
 
@@ -426,6 +426,30 @@ def test_a_probe_job_whose_lock_another_session_keeps_still_claims_and_probes(
     probe_run = Invocation.objects.get().events.get(kind="probe_run")
     assert probe_run.data["detail"] == "lock not held"
     assert services.without_probe_lock(["inv-1"]) == {"inv-1"}
+
+
+def test_two_threads_of_one_worker_hold_claims_under_different_names(
+    api: Api, refunds: Capability
+) -> None:
+    """A thread whose lease ran out and was taken over by another thread of its process
+    cannot record its answer as the claim's holder."""
+    names: list[str] = []
+    thread = threading.Thread(target=lambda: names.append(worker_name()))
+    thread.start()
+    thread.join()
+    names.append(worker_name())
+    assert len(set(names)) == 2
+    flagged(api)
+    now = timezone.now()
+    assert services.invocation_claim(invocation_id="inv-1", worker=names[0], now=now)
+    later = now + dt.timedelta(seconds=61)
+    assert services.expire_lease(invocation_id="inv-1", now=later)
+    assert services.invocation_claim(invocation_id="inv-1", worker=names[1], now=later)
+    found = probes.ProbeResult(probes.Finding.ABSENT)
+    assert (
+        services.record_probe_result(invocation_id="inv-1", worker=names[0], result=found) is None
+    )
+    assert Invocation.objects.get().status == "reconciling"
 
 
 def ada_finds_rf_77() -> Invocation:
