@@ -259,7 +259,6 @@ def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
 # (two-key form, so no one-key lock of the ledger's can collide with them).
 PROBE_LOCKS = "ledger.probe"
 
-
 # How long a job waits for a probe lock another session holds: longer than a claim's
 # transaction, which a job holding the lock may be in, and short, as a job that holds
 # it longer has claimed and probes, and this job's claim would find it claimed.

@@ -431,7 +431,7 @@ def test_a_child_that_cannot_start_stops_the_ledger_after_three_tries(
         assert not descendants(ledger.process.pid)
 
 
-def test_a_number_of_workers_that_is_not_one_is_refused_before_anything_starts(
+def test_a_number_of_workers_below_one_is_refused_before_anything_starts(
     transactional_db: None, tmp_path: Path
 ) -> None:
     with make_run(tmp_path, WORKER_CONCURRENCY="0") as ledger:
