@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -233,24 +233,56 @@ def _counted_as_shared(
 
 
 def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
-    """Reopen an invocation whose probe worker died (its lease ran out)."""
+    """Reopen an invocation whose probe worker died or hangs (its lease ran out)."""
     now = now or timezone.now()
+    return _reopen_claim(
+        invocation_id=invocation_id,
+        kind="lease_expired",
+        when=lambda expires, invocation: expires <= now,
+        lease_key="lease_expired_at",
+        now=now,
+    )
+
+
+def release_lost_claim(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
+    """Reopen an invocation whose probe worker is gone before its lease runs out.
+
+    The lock is looked at after the claim is read: a worker still probing took it
+    before its claim was written and lets go only after its result was, and a result
+    written meanwhile makes this compare-and-set load the invocation again."""
+    return _reopen_claim(
+        invocation_id=invocation_id,
+        kind="probe_worker_lost",
+        when=lambda expires, invocation: bool(without_probe_lock([invocation.invocation_id])),
+        lease_key="lease_expires_at",
+        now=now,
+    )
+
+
+def _reopen_claim(
+    *,
+    invocation_id: str,
+    kind: str,
+    when: Callable[[dt.datetime, Invocation], bool],
+    lease_key: str,
+    now: dt.datetime | None,
+) -> bool:
+    """Release a probe's claim `when` its lease's end and the invocation say so, with
+    the event `kind` naming the worker that held it."""
 
     def change(invocation: Invocation) -> dict[str, Any] | None:
         expires = invocation.lease_expires_at
-        if invocation.status != policy.Status.RECONCILING or expires is None or expires > now:
+        if invocation.status != policy.Status.RECONCILING or expires is None:
+            return None
+        if not when(expires, invocation):
             return None
         owner = invocation.lease_owner
         invocation.apply_state(policy.release(invocation.state()))
         _clear_lease(invocation)
-        return {"worker": owner, "lease_expired_at": expires.isoformat()}
+        return {"worker": owner, lease_key: expires.isoformat()}
 
     changed = invocation_transition(
-        invocation_id=invocation_id,
-        actor="ledger:sweeper",
-        kind="lease_expired",
-        change=change,
-        now=now,
+        invocation_id=invocation_id, actor="ledger:sweeper", kind=kind, change=change, now=now
     )
     return changed is not None
 
@@ -330,34 +362,6 @@ def without_probe_lock(invocation_ids: Collection[str]) -> set[str]:
             [list(invocation_ids), PROBE_LOCKS],
         )
         return {invocation_id for (invocation_id,) in cursor.fetchall()}
-
-
-def release_lost_claim(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
-    """Reopen an invocation whose probe worker is gone before its lease runs out.
-
-    The lock is looked at after the claim is read: a worker still probing took it
-    before its claim was written and lets go only after its result was, and a result
-    written meanwhile makes this compare-and-set load the invocation again."""
-
-    def change(invocation: Invocation) -> dict[str, Any] | None:
-        expires = invocation.lease_expires_at
-        if invocation.status != policy.Status.RECONCILING or expires is None:
-            return None
-        if not without_probe_lock([invocation.invocation_id]):
-            return None
-        owner = invocation.lease_owner
-        invocation.apply_state(policy.release(invocation.state()))
-        _clear_lease(invocation)
-        return {"worker": owner, "lease_expires_at": expires.isoformat()}
-
-    changed = invocation_transition(
-        invocation_id=invocation_id,
-        actor="ledger:sweeper",
-        kind="probe_worker_lost",
-        change=change,
-        now=now,
-    )
-    return changed is not None
 
 
 class SharedReference(LedgerError):

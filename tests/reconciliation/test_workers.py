@@ -73,10 +73,11 @@ def test_a_refund_that_never_happened_is_retried_once_under_the_same_key(
     assert standin.refunds.count() == 1
 
 
-@pytest.mark.embedded_broker
-def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
-    api: Api, refunds: Capability, standin: StandInService, workers: Workers
-) -> None:
+def probing_refund_that_hangs(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers, lease_seconds: int
+) -> subprocess.Popen[bytes]:
+    """A refund made and its outcome lost; a worker whose claims last `lease_seconds`,
+    in the middle of its probe, which hangs: the worker."""
     Capability.objects.filter(pk=refunds.pk).update(
         probe={**standin.probe_config(), "read_timeout": 60}
     )
@@ -85,11 +86,19 @@ def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
     deadline = Invocation.objects.get().deadline_at
     assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
     standin.refunds.set_mode("slow")  # the probe will hang
-    doomed = workers.start(LEDGER_PROBE_LEASE_SECONDS="2")
+    worker = workers.start(LEDGER_PROBE_LEASE_SECONDS=str(lease_seconds))
     reconcile_invocation.delay("inv-1")
     lookups = standin.refunds.lookups_started
     wait_for(lambda: standin.refunds.lookups_started > lookups)  # the probe is in flight
     assert status_of("inv-1") == "reconciling"
+    return worker
+
+
+@pytest.mark.embedded_broker
+def test_a_worker_killed_mid_probe_is_replaced_and_the_invocation_settles_once(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers
+) -> None:
+    doomed = probing_refund_that_hangs(api, refunds, standin, workers, lease_seconds=2)
     workers.kill(doomed)
     standin.refunds.set_mode("normal")
     workers.start(LEDGER_PROBE_LEASE_SECONDS="2")
@@ -116,18 +125,7 @@ def test_a_worker_killed_mid_probe_is_found_gone_without_waiting_for_its_lease(
 ) -> None:
     """Its database session ended with it, and its probe lock with the session: beat's
     next sweep reopens the invocation, ten minutes before the lease would run out."""
-    Capability.objects.filter(pk=refunds.pk).update(
-        probe={**standin.probe_config(), "read_timeout": 60}
-    )
-    api.intent(attempt_id="a1")
-    perform_refund(standin, "refund-SO-1")
-    deadline = Invocation.objects.get().deadline_at
-    assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
-    standin.refunds.set_mode("slow")
-    doomed = workers.start(LEDGER_PROBE_LEASE_SECONDS="600")
-    reconcile_invocation.delay("inv-1")
-    lookups = standin.refunds.lookups_started
-    wait_for(lambda: standin.refunds.lookups_started > lookups)
+    doomed = probing_refund_that_hangs(api, refunds, standin, workers, lease_seconds=600)
     workers.kill(doomed)
     standin.refunds.set_mode("normal")
     workers.start()
