@@ -13,7 +13,10 @@ solo`), not one worker with a prefork pool: on a broker without an event loop, a
 embedded one, the prefork pool hands jobs to its processes through one pipe behind
 one lock, which an idle process holds while it waits; one process killed alone (by
 the kernel, for memory) left the lock held, and the worker never ran a job again.
-A worker of one process dies whole, and `Child` starts it again.
+A worker of one process dies whole, and `Child` starts it again. The first of two or
+more takes no probe jobs, so that the sweep, the sealer and the verification run while
+a business system's outage holds every other worker in probes that wait out their
+timeouts.
 """
 
 from __future__ import annotations
@@ -114,6 +117,13 @@ def command_line(pid: int) -> list[bytes]:
     return arguments.split(b"\0") if arguments else []  # a zombie has none
 
 
+def probe_queue() -> str:
+    """The queue of the probe jobs, as the settings name it."""
+    from django.conf import settings
+
+    return str(settings.LEDGER_PROBE_QUEUE)
+
+
 def manage(*args: str) -> None:
     subprocess.run([sys.executable, "manage.py", *args], check=True)
 
@@ -173,6 +183,7 @@ def main() -> int:
             f"worker-{n}": [
                 python, "-m", "celery", "-A", "ledger", "worker",
                 "--pool", "solo", "--hostname", f"worker{n}@%h",
+                *(["--exclude-queues", probe_queue()] if n == 1 < int(workers) else []),
             ]
             for n in range(1, int(workers) + 1)
         },

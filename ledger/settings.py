@@ -14,6 +14,7 @@ from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.csp import CSP
+from kombu import Queue
 from psycopg.conninfo import conninfo_to_dict
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -331,6 +332,13 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     # one of them killed alone leaves held, and the worker runs no job again
     # (ledger/run.py starts workers of one process each).
     CELERY_WORKER_POOL = "threads"
+# Probe jobs have a queue of their own: in a business system's outage each waits out
+# its timeouts, and queued behind them the sweep, the sealer and the verification would
+# wait for every one. `make run` keeps a worker off it (ledger/run.py).
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("LEDGER_QUEUE", "celery")
+LEDGER_PROBE_QUEUE = f"{CELERY_TASK_DEFAULT_QUEUE}.probes"
+CELERY_TASK_QUEUES = (Queue(CELERY_TASK_DEFAULT_QUEUE), Queue(LEDGER_PROBE_QUEUE))
+CELERY_TASK_ROUTES = {"reconciliation.tasks.reconcile_invocation": {"queue": LEDGER_PROBE_QUEUE}}
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

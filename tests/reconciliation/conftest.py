@@ -61,19 +61,24 @@ def status_of(invocation_id: str) -> str:
 
 
 class BrokerQueue:
-    """This test database's queue on the real broker, emptied for the test."""
+    """This test database's queues on the real broker (its jobs and its probes),
+    emptied for the test."""
 
     def __init__(self) -> None:
         from ledger.celery import app
 
-        self.app, self.name = app, app.conf.task_default_queue
+        self.app, self.names = app, [queue.name for queue in app.conf.task_queues]
         with app.connection_for_write() as broker:
-            broker.default_channel.queue_purge(self.name)
+            for name in self.names:
+                broker.default_channel.queue_purge(name)
 
     def jobs(self) -> int:
-        """The messages waiting in it."""
+        """The messages waiting in them."""
         with self.app.connection_for_read() as broker:
-            return int(broker.default_channel.queue_declare(queue=self.name).message_count)
+            return sum(
+                int(broker.default_channel.queue_declare(queue=name).message_count)
+                for name in self.names
+            )
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
 from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, Api, person, registered, wait_for
+from tests.ledger.test_run import make_run
 from tests.reconciliation.conftest import Workers, perform_refund, reported_lost, status_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -165,6 +166,39 @@ def test_a_worker_started_by_hand_on_the_embedded_broker_runs_its_jobs_in_thread
     wait_for(lambda: status_of("inv-1") != "in_flight")
     assert Invocation.objects.get().failure_class == "post_dispatch_evidence_failed"
     assert psutil.Process(worker.pid).children() == []
+
+
+def test_make_run_keeps_a_worker_for_the_sweep_while_every_probe_hangs(
+    api: Api, refunds: Capability, standin: StandInService, tmp_path: Path
+) -> None:
+    """In a business system's outage each probe waits out its timeouts. Queued with
+    them, beat's sweep waited behind every one; it has a queue and a worker of its own."""
+    Capability.objects.filter(pk=refunds.pk).update(
+        probe={**standin.probe_config(), "read_timeout": 60}
+    )
+    standin.refunds.set_mode("slow")
+    for n in range(3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"refund-SO-{n}", attempt_id="a1")
+        deadline = Invocation.objects.get(invocation_id=f"inv-{n}").deadline_at
+        assert deadline is not None and flag_missing_evidence(
+            invocation_id=f"inv-{n}", now=deadline
+        )
+    with make_run(tmp_path, LEDGER_SWEEP_INTERVAL_SECONDS="1") as ledger:
+        wait_for(ledger.ready, seconds=120)
+        wait_for(lambda: standin.refunds.lookups_started >= 1)  # a worker hangs in a probe
+
+        def flagged_when_overdue(invocation_id: str) -> None:
+            api.intent(invocation_id=invocation_id, idempotency_key=invocation_id, attempt_id="a1")
+            Invocation.objects.filter(invocation_id=invocation_id).update(
+                deadline_at=timezone.now() - dt.timedelta(seconds=1)
+            )
+            wait_for(lambda: status_of(invocation_id) != "in_flight")
+
+        # Each round, a free worker runs a sweep while probes wait: one that takes probes
+        # too takes one next and hangs (Kombu's consumer takes from its queues in turn).
+        for n in range(3):
+            flagged_when_overdue(f"late-{n}")
+        assert standin.refunds.lookups_started == 1  # the other probes still wait their turn
 
 
 @pytest.mark.embedded_broker
