@@ -183,7 +183,7 @@ def main() -> int:
             f"worker-{n}": [
                 python, "-m", "celery", "-A", "ledger", "worker",
                 "--pool", "solo", "--hostname", f"worker{n}@%h",
-                *(["--exclude-queues", probe_queue()] if n == 1 < int(workers) else []),
+                *(["--exclude-queues", probe_queue()] if n == 1 and int(workers) > 1 else []),
             ]
             for n in range(1, int(workers) + 1)
         },
