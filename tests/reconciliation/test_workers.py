@@ -26,8 +26,8 @@ from ledger.services import flag_missing_evidence
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
 from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, Api, person, registered, wait_for
-from tests.ledger.test_run import make_run
 from tests.reconciliation.conftest import Workers, perform_refund, reported_lost, status_of
+from tests.running import make_run
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
