@@ -15,6 +15,9 @@ several workers would each hold a different part of.
   the ledger, which the sweep refuses to flag until an admin restores them;
 - `ledger_probe_runs_last_hour{capability, finding}`: what probes found in the last hour
   (the runs that found no probe to run counted together, under `capability=""`);
+- `ledger_probe_claims_reopened_last_hour{reason}`: probe claims reopened in the last
+  hour because their worker was found gone (`probe_worker_lost`) or held its lease past
+  its end (`lease_expired`): workers killed or hung while probing;
 - `ledger_shared_references_last_hour{kind}`: evidence recorded in the last hour that
   names a business reference other invocations' evidence names already (flagged
   `reference_shared`), by event kind: one effect may be counted for two intents;
@@ -60,6 +63,7 @@ from ledger import policy
 from ledger.integrity import newest_passes
 from ledger.models import (
     NAMES_A_SHARED_REFERENCE,
+    REOPENED_CLAIM_KINDS,
     Event,
     Invocation,
     RateWatch,
@@ -206,6 +210,17 @@ def probe_run_counts(since: dt.datetime) -> list[tuple[str, str, int]]:
     return list(counts)
 
 
+def reopened_claim_counts(since: dt.datetime) -> dict[str, int]:
+    """The probe claims reopened since a time, by event kind (every kind counted)."""
+    counts = (
+        Event.objects.filter(kind__in=REOPENED_CLAIM_KINDS, created_at__gte=since)
+        .values("kind")
+        .annotate(n=Count("id"))
+        .values_list("kind", "n")
+    )
+    return {kind: 0 for kind in REOPENED_CLAIM_KINDS} | dict(counts)
+
+
 @dataclass
 class ProbeRuns:
     """A capability's probe_run events: the probes run, those that found nothing
@@ -307,7 +322,7 @@ def _last_sealed_before(at: dt.datetime) -> int | None:
 
 
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: twelve statements, each on an index or the
+    """Reads the figures once per scrape: thirteen statements, each on an index or the
     catalog; one more before the first seal, one more while attempts are overdue (the
     oldest of them, with their events, to tell those the sweep refuses), one more while
     a capability declares a rate limit, and one more while the reference watch has not
@@ -379,6 +394,18 @@ class LedgerCollector(Collector):
             "kind",
             shared,
         )
+
+        reopened = reopened_claim_counts(now - RECENT)
+        claims = GaugeMetricFamily(
+            "ledger_probe_claims_reopened_last_hour",
+            "Probe claims reopened in the last hour and their probes sent again, by reason: "
+            "the claiming worker's database session was gone (probe_worker_lost), or the "
+            "worker held the claim past its lease (lease_expired), as a hung one does.",
+            labels=["reason"],
+        )
+        for kind in REOPENED_CLAIM_KINDS:
+            claims.add_metric([kind], reopened[kind])
+        yield claims
 
         behind = GaugeMetricFamily(
             "ledger_background_behind",

@@ -589,6 +589,12 @@ class Outcome(models.Model):
         return f"{self.attempt}: {self.kind}"
 
 
+# The events that reopen a probe's claim (reconciliation.services): its lease ran out,
+# or its worker's database session was found gone before that.
+LEASE_EXPIRED = "lease_expired"
+PROBE_WORKER_LOST = "probe_worker_lost"
+REOPENED_CLAIM_KINDS = (LEASE_EXPIRED, PROBE_WORKER_LOST)
+
 # An event whose data names a business reference. In jsonb's order every non-empty
 # string sorts after "", so this excludes the outcomes that name none.
 HAS_BUSINESS_REFERENCE = Q(data__business_reference__gt="")
@@ -707,6 +713,13 @@ class Event(models.Model):
             # Recent probe runs (the dashboard, /metrics) without reading every recent event.
             models.Index(
                 fields=["created_at"], condition=Q(kind="probe_run"), name="event_probe_run_time"
+            ),
+            # Probe claims reopened in the last hour (/metrics): their worker died, or
+            # held its lease past its end.
+            models.Index(
+                fields=["created_at"],
+                condition=Q(kind__in=REOPENED_CLAIM_KINDS),
+                name="event_claim_reopened_time",
             ),
             # Links by business reference: the invocations whose evidence (an outcome, a
             # probe's finding, a resolution) names one. Partial: the events that name

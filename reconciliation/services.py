@@ -20,7 +20,13 @@ from django.utils import timezone
 
 from ledger import policy
 from ledger.audit import invocations_naming
-from ledger.models import PROBE_COULD_SETTLE, Capability, Invocation
+from ledger.models import (
+    LEASE_EXPIRED,
+    PROBE_COULD_SETTLE,
+    PROBE_WORKER_LOST,
+    Capability,
+    Invocation,
+)
 from ledger.services import (
     LedgerError,
     invocation_transition,
@@ -237,7 +243,7 @@ def expire_lease(*, invocation_id: str, now: dt.datetime | None = None) -> bool:
     now = now or timezone.now()
     return _reopen_claim(
         invocation_id=invocation_id,
-        kind="lease_expired",
+        kind=LEASE_EXPIRED,
         when=lambda expires, invocation: expires <= now,
         lease_key="lease_expired_at",
         now=now,
@@ -252,7 +258,7 @@ def release_lost_claim(*, invocation_id: str, now: dt.datetime | None = None) ->
     written meanwhile makes this compare-and-set load the invocation again."""
     return _reopen_claim(
         invocation_id=invocation_id,
-        kind="probe_worker_lost",
+        kind=PROBE_WORKER_LOST,
         when=lambda expires, invocation: bool(without_probe_lock([invocation.invocation_id])),
         lease_key="lease_expires_at",
         now=now,

@@ -29,7 +29,12 @@ from ledger.audit import invocations_naming
 from ledger.bundles import archive_name
 from ledger.capabilities import awaiting_its_probe
 from ledger.integrity import restore_projection
-from ledger.metrics import background_work, probe_run_counts, probe_runs_per_capability
+from ledger.metrics import (
+    background_work,
+    probe_run_counts,
+    probe_runs_per_capability,
+    reopened_claim_counts,
+)
 from ledger.models import (
     FLAGGED_STATUSES,
     MAX_RISK_RANK,
@@ -583,6 +588,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         .annotate(n=Count("id"))
         .order_by("-n")[:20],
         "probes": probe_runs_per_capability(probe_run_counts(hour_ago))[:PROBED_CAPABILITIES_SHOWN],
+        "reopened_claims": reopened_claim_counts(hour_ago),
         "shared_references": Event.objects.filter(
             NAMES_A_SHARED_REFERENCE, created_at__gte=hour_ago
         ).count(),

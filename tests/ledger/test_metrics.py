@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
+from django.db import connection, transaction
 from django.test import Client
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_django import DjangoAssertNumQueries
 from pytest_django.fixtures import Settings
@@ -13,10 +16,11 @@ from pytest_django.fixtures import Settings
 from ledger import metrics
 from ledger.integrity import seal_events, verify_next_slice
 from ledger.metrics import exposition
-from ledger.models import Capability, Event, Invocation, Seal
+from ledger.models import REOPENED_CLAIM_KINDS, Capability, Event, Invocation, Seal
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence
 from ledger.shared_references import watch_shared_references
+from reconciliation.services import expire_lease, invocation_claim, release_lost_claim
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, registered
 from tests.ledger.conftest import superuser_sql
@@ -106,7 +110,7 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
     seal_events()
     verify_next_slice(invocations=2)
     watch_shared_references()
-    with django_assert_num_queries(12):
+    with django_assert_num_queries(13):
         scrape(client)
 
 
@@ -124,6 +128,42 @@ def test_shared_references_of_the_last_hour_are_counted_by_kind(
     # inv-2 names inv-1 by id; inv-3, of another runtime, counts both.
     assert now[("ledger_shared_references_last_hour", (("kind", "outcome_recorded"),))] == 2
     assert not any(name == "ledger_shared_references_last_hour" for name, _ in later)
+
+
+def test_probe_claims_reopened_in_the_last_hour_are_counted_by_reason(
+    api: Api, refund: Capability
+) -> None:
+    """A worker killed while probing is found gone by the sweep; one that hangs holds
+    its claim until its lease runs out. Each reopened claim is a probe sent again."""
+    for invocation_id in ("inv-killed", "inv-hung", "inv-probed"):
+        flagged(api, invocation_id)
+    now = timezone.now()
+    for invocation_id in ("inv-killed", "inv-hung"):
+        assert invocation_claim(invocation_id=invocation_id, worker="w1", now=now)
+    # No session holds inv-killed's probe lock: the sweep finds its worker gone.
+    assert release_lost_claim(invocation_id="inv-killed", now=now)
+    assert expire_lease(invocation_id="inv-hung", now=now + dt.timedelta(seconds=61))
+    reopened_at = Event.objects.filter(kind__in=REOPENED_CLAIM_KINDS).latest("created_at")
+
+    def reopened(at: dt.datetime) -> dict[str, float]:
+        return {
+            dict(labels)["reason"]: value
+            for (name, labels), value in samples(exposition(now=at)).items()
+            if name == "ledger_probe_claims_reopened_last_hour"
+        }
+
+    assert reopened(reopened_at.created_at) == {"probe_worker_lost": 1, "lease_expired": 1}
+    an_hour_later = reopened_at.created_at + dt.timedelta(hours=1, seconds=1)
+    assert reopened(an_hour_later) == {"probe_worker_lost": 0, "lease_expired": 0}
+
+    with transaction.atomic(), connection.cursor() as cursor:
+        # The tables here are tiny: ask whether each month's index can serve at all.
+        for method in ("seqscan", "bitmapscan"):
+            cursor.execute(f"SET LOCAL enable_{method} = off")
+        plan = Event.objects.filter(kind__in=REOPENED_CLAIM_KINDS, created_at__gte=now).explain()
+    scanned = re.findall(r" on (ledger_event_\w+) ", plan)
+    through_the_index = re.findall(r"using (ledger_event_\w+)_event_claim_reopened_time on", plan)
+    assert len(scanned) > 1 and through_the_index == scanned, plan
 
 
 def behind(figures: dict[tuple[str, tuple[tuple[str, str], ...]], float], work: str) -> float:
@@ -165,9 +205,9 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    # The twelve, the first event's time (no seal yet), and the oldest overdue rows
+    # The thirteen, the first event's time (no seal yet), and the oldest overdue rows
     # with their events.
-    with django_assert_num_queries(14):
+    with django_assert_num_queries(15):
         just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
@@ -260,9 +300,9 @@ def test_a_rate_watch_that_stopped_is_reported_behind_and_waiting_breaches_count
     assert sealed is not None
     at = sealed.created_at
     watch_shared_references()
-    # The twelve, the oldest overdue rows (the attempts are overdue by then), and the
+    # The thirteen, the oldest overdue rows (the attempts are overdue by then), and the
     # seal the watch should have read past.
-    with django_assert_num_queries(14):
+    with django_assert_num_queries(15):
         assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "rate_watch") == 0
     stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "rate_watch") == 1
@@ -309,8 +349,8 @@ def test_a_reference_watch_that_stopped_is_reported_behind_and_waiting_flags_cou
     assert sealed is not None
     at = sealed.created_at
     assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "reference_watch") == 0
-    # The twelve, and the seal the watch should have read past: it has read none.
-    with django_assert_num_queries(13):
+    # The thirteen, and the seal the watch should have read past: it has read none.
+    with django_assert_num_queries(14):
         stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "reference_watch") == 1
     superuser_sql(

@@ -28,7 +28,14 @@ from ledger.services import flag_missing_evidence, flag_missing_evidence_of
 from ledger.shared_references import watch_shared_references
 from reconciliation import tasks, views
 from reconciliation.forms import QueueFilterForm
-from reconciliation.services import invocation_assign, probe_requested, probes_requested
+from reconciliation.services import (
+    expire_lease,
+    invocation_assign,
+    invocation_claim,
+    probe_requested,
+    probes_requested,
+    release_lost_claim,
+)
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, request_probes
 from tests.conftest import Api, invocation_rows_read, person, process_env, registered
@@ -727,6 +734,27 @@ def test_the_dashboard_and_metrics_count_probe_findings_per_capability_no_probe_
         if name == "ledger_probe_runs_last_hour"
     }
     assert runs == {"refund.create effect_present": 1, "refund.create inconclusive": 1, " none": 1}
+
+
+def test_the_dashboard_counts_the_probes_sent_again_after_their_worker_was_lost_or_hung(
+    api: Api, refunds: Capability, operator: Client
+) -> None:
+    assert "0 whose worker was lost" in dashboard_card(operator, "probes")
+    now = timezone.now()
+    for invocation_id in ("inv-killed-1", "inv-killed-2", "inv-hung"):
+        reported_lost(api, invocation_id)
+        assert invocation_claim(invocation_id=invocation_id, worker="w1", now=now)
+    # No session holds their probe locks: their worker is gone.
+    assert release_lost_claim(invocation_id="inv-killed-1", now=now)
+    assert release_lost_claim(invocation_id="inv-killed-2", now=now)
+    assert expire_lease(invocation_id="inv-hung", now=now + dt.timedelta(seconds=61))
+
+    card = dashboard_card(operator, "probes")
+    reopened = re.sub(r"<[^>]+>", "", card.split('id="reopened-claims">')[1].split("</p>")[0])
+    assert reopened == (
+        "probes sent again: 2 whose worker was lost (killed while probing), "
+        "1 whose worker held its lease past its end (hung)"
+    )
 
 
 def test_the_dashboard_says_when_beats_work_falls_behind(
