@@ -8,15 +8,16 @@ With no DATABASE_URL it starts the embedded PostgreSQL from the pgserver wheel u
 commands run beside it reach the same database and broker. What exits is started again
 (`Child`, `keep_embedded_postgres_running`); Ctrl-C stops everything.
 
-The workers are WORKER_CONCURRENCY (2) Celery workers of one process each (`--pool
-solo`), not one worker with a prefork pool: on a broker without an event loop, as the
-embedded one, the prefork pool hands jobs to its processes through one pipe behind
-one lock, which an idle process holds while it waits; one process killed alone (by
-the kernel, for memory) left the lock held, and the worker never ran a job again.
-A worker of one process dies whole, and `Child` starts it again. The first of two or
-more takes no probe jobs, so that the sweep, the sealer and the verification run while
-a business system's outage holds every other worker in probes that wait out their
-timeouts.
+The workers are WORKER_CONCURRENCY (2) Celery workers of one process each, not one
+worker with a prefork pool: on a broker without an event loop, as the embedded one,
+the prefork pool hands jobs to its processes through one pipe behind one lock, which
+an idle process holds while it waits; one process killed alone (by the kernel, for
+memory) left the lock held, and the worker never ran a job again. A worker of one
+process dies whole, and `Child` starts it again. The first of two or more runs one job
+at a time (`--pool solo`) and takes no probe jobs, so that the sweep, the sealer and
+the verification run while a business system's outage holds the others in probes
+that wait out their timeouts. The others run PROBE_THREADS (4) jobs at once in
+threads: a probe mostly waits for a business system to answer.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from types import FrameType
 from typing import Any
 
 BIND = os.environ.get("LEDGER_BIND", "127.0.0.1:8000")
+# Counts from the environment, with their defaults: Celery workers, and the threads of
+# each worker that takes probe jobs.
+COUNTS = {"WORKER_CONCURRENCY": "2", "PROBE_THREADS": "4"}
 
 
 def start_embedded_postgres() -> object:
@@ -163,11 +167,13 @@ def main() -> int:
             flush=True,
         )
         return 1
-    workers = os.environ.get("WORKER_CONCURRENCY", "2")
-    if not (workers.isdecimal() and int(workers) >= 1):
-        print(f"WORKER_CONCURRENCY must be a whole number of workers, at least 1, not "
-              f"{workers!r}", file=sys.stderr, flush=True)  # fmt: skip
-        return 2
+    counts = {name: os.environ.get(name, default) for name, default in COUNTS.items()}
+    for name, count in counts.items():
+        if not (count.isdecimal() and int(count) >= 1):
+            print(f"{name} must be a whole number, at least 1, not {count!r}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return 2
+    workers, probe_threads = int(counts["WORKER_CONCURRENCY"]), counts["PROBE_THREADS"]
     server = None if "DATABASE_URL" in os.environ else start_embedded_postgres()
     manage("migrate", "--no-input")
     manage("collectstatic", "--no-input", "--verbosity", "0")
@@ -181,11 +187,11 @@ def main() -> int:
         ],
         **{
             f"worker-{n}": [
-                python, "-m", "celery", "-A", "ledger", "worker",
-                "--pool", "solo", "--hostname", f"worker{n}@%h",
-                *(["--exclude-queues", probe_queue()] if n == 1 and int(workers) > 1 else []),
+                python, "-m", "celery", "-A", "ledger", "worker", "--hostname", f"worker{n}@%h",
+                *(["--pool", "solo", "--exclude-queues", probe_queue()] if n == 1 and workers > 1
+                  else ["--pool", "threads", "--concurrency", probe_threads]),
             ]
-            for n in range(1, int(workers) + 1)
+            for n in range(1, workers + 1)
         },
         "beat": [python, "-m", "celery", "-A", "ledger", "beat"],
     }  # fmt: skip

@@ -358,13 +358,14 @@ def test_a_child_that_cannot_start_stops_the_ledger_after_three_tries(
         assert not descendants(ledger.process.pid)
 
 
-def test_a_number_of_workers_below_one_is_refused_before_anything_starts(
-    transactional_db: None, tmp_path: Path
+@pytest.mark.parametrize(("name", "count"), [("WORKER_CONCURRENCY", "0"), ("PROBE_THREADS", "4.5")])
+def test_a_count_of_workers_or_threads_below_one_is_refused_before_anything_starts(
+    transactional_db: None, tmp_path: Path, name: str, count: str
 ) -> None:
-    with make_run(tmp_path, WORKER_CONCURRENCY="0") as ledger:
+    with make_run(tmp_path, **{name: count}) as ledger:
         assert ledger.process.wait(timeout=60) == 2
         assert (
-            "WORKER_CONCURRENCY must be a whole number of workers, at least 1, not '0'"
+            f"{name} must be a whole number, at least 1, not '{count}'"
             in (tmp_path / "err").read_text()
         )
         assert not (tmp_path / "data").exists()
