@@ -160,24 +160,51 @@ def _http_client() -> httpx.Client:
     return client
 
 
+# The most of an answer a probe reads: a lookup's answer is a few hundred bytes, and a
+# body without end would otherwise fill the worker's memory.
+ANSWER_MAX_BYTES = 1024 * 1024
+
+
+class UnreadAnswer(Exception):
+    """An answer too long, or too slow to finish, to be read."""
+
+
+def _read_answer(response: httpx.Response, *, deadline: float) -> bytes:
+    """The body, read whole by `deadline` (the probe's connect and read timeouts added)
+    and within ANSWER_MAX_BYTES. httpx's read timeout bounds each read alone: a
+    business system sending a byte at a time could hold the probe, and its worker's
+    thread, for as long as it liked."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdecimal() and int(declared) > ANSWER_MAX_BYTES:
+        raise UnreadAnswer(f"answer of {declared} bytes, over {ANSWER_MAX_BYTES}")
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        if len(body) > ANSWER_MAX_BYTES:
+            raise UnreadAnswer(f"answer over {ANSWER_MAX_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise UnreadAnswer("answer not finished within the connect and read timeouts")
+    return bytes(body)
+
+
 def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
     url = _fill(config["url"], invocation)
     if urlsplit(url).scheme not in ("http", "https"):
         raise ProbeConfigError("an http probe needs an http(s) URL")
     summary: dict[str, Any] = {"method": "GET", "url": url}
-    timeout = httpx.Timeout(
-        connect=float(config.get("connect_timeout", 2)),
-        read=float(config.get("read_timeout", 5)),
-        write=5.0,
-        pool=5.0,
-    )
+    connect, read = float(config.get("connect_timeout", 2)), float(config.get("read_timeout", 5))
+    timeout = httpx.Timeout(connect=connect, read=read, write=5.0, pool=5.0)
+    headers = _secret_headers(config.get("headers", {}))
+    deadline = time.monotonic() + connect + read
     try:
-        response = _http_client().get(
-            url, headers=_secret_headers(config.get("headers", {})), timeout=timeout
-        )
+        with _http_client().stream("GET", url, headers=headers, timeout=timeout) as streamed:
+            summary["status"] = streamed.status_code
+            body = _read_answer(streamed, deadline=deadline)
     except httpx.HTTPError as exc:
         return ProbeResult(Finding.INCONCLUSIVE, detail=f"{type(exc).__name__}", summary=summary)
-    summary["status"] = response.status_code
+    except UnreadAnswer as exc:
+        return ProbeResult(Finding.INCONCLUSIVE, detail=str(exc), summary=summary)
+    response = httpx.Response(streamed.status_code, headers=streamed.headers, content=body)
     if response.is_redirect:
         location = response.headers.get("location", "")
         return ProbeResult(

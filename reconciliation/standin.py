@@ -4,7 +4,8 @@ It behaves like a business system that enforces idempotency keys: a refund is
 created once per key, and can be looked up by key — which is all the ledger's http
 probe needs. State lives in a SQLite file, so several processes and restarts see
 the same refunds. For fault drills the lookup can be switched to answer slowly,
-with 5xx, with a malformed body or with a redirect (`POST /_control`).
+with 5xx, with a malformed body, with a redirect, a byte at a time (trickle), with
+two megabytes (huge) or with a body that never ends (endless) (`POST /_control`).
 
     python manage.py standin_service --port 9100
 """
@@ -24,7 +25,12 @@ from urllib.parse import parse_qs, urlsplit
 
 # Refunds above this are rejected by the business rules (a business_failed outcome).
 REFUND_LIMIT = 10_000
-LOOKUP_MODES = ("normal", "slow", "5xx", "malformed", "redirect")
+LOOKUP_MODES = ("normal", "slow", "5xx", "malformed", "redirect", "trickle", "huge", "endless")
+# A trickled answer's pause between its bytes: each read of the client's waits far less
+# than its read timeout, and the whole answer takes half a minute.
+TRICKLE_SECONDS = 0.2
+# A huge answer: a found refund padded to this many bytes, its length declared.
+HUGE_BYTES = 2 * 1024 * 1024
 
 
 class Refunds:
@@ -130,7 +136,38 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
                 self.reply(302, {}, {"Location": "http://elsewhere.invalid/refunds"})
                 return
             refund = refunds.find(query.get("idempotency_key", [""])[0])
-            self.reply(200, refund) if refund else self.reply(404, {"error": "not_found"})
+            if mode == "huge" and refund:
+                padding = HUGE_BYTES - len(json.dumps(refund)) - len(', "note": ""')
+                refund = {**refund, "note": "x" * padding}
+            try:
+                if mode == "trickle":
+                    self.trickle(200, refund) if refund else self.trickle(404, {"error": "none"})
+                elif mode == "endless":
+                    self.endless()
+                else:
+                    self.reply(200, refund) if refund else self.reply(404, {"error": "not_found"})
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the probe stopped reading, as it should
+
+        def trickle(self, status: int, body: Any) -> None:
+            raw = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            for byte in raw:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(TRICKLE_SECONDS)
+
+        def endless(self) -> None:
+            """A JSON body of no declared length that never ends."""
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"status": "succeeded", "note": "')
+            while True:
+                self.wfile.write(b"x" * 65536)
 
         def do_POST(self) -> None:
             url = urlsplit(self.path)

@@ -19,7 +19,7 @@ from ledger import policy
 from ledger.models import Capability, Invocation, NamedReference
 from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services, sweeper
-from reconciliation.standin import StandInService
+from reconciliation.standin import HUGE_BYTES, StandInService
 from reconciliation.tasks import reconcile_invocation, worker_name
 from tests.conftest import Api, wait_for
 from tests.reconciliation.conftest import perform_refund
@@ -134,6 +134,30 @@ def test_a_probe_that_times_out_or_cannot_connect_is_inconclusive(
     refused = probes.run({**refunds.probe, "url": "http://127.0.0.1:9/refunds"}, invocation)
     for result in (slow, refused):
         assert result is not None and result.finding is probes.Finding.INCONCLUSIVE
+
+
+@pytest.mark.parametrize(
+    ("mode", "detail"),
+    [
+        ("trickle", "answer not finished within the connect and read timeouts"),
+        ("huge", f"answer of {HUGE_BYTES} bytes, over {probes.ANSWER_MAX_BYTES}"),
+        ("endless", f"answer over {probes.ANSWER_MAX_BYTES} bytes"),
+    ],
+)
+def test_an_answer_too_slow_to_finish_or_too_long_is_inconclusive_unread(
+    api: Api, refunds: Capability, standin: StandInService, mode: str, detail: str
+) -> None:
+    """The read timeout bounds each read, not the answer: a business system sending a
+    byte at a time would hold a worker's thread for as long as it liked, and a body
+    without end would fill its memory. The refund happened, and the trickled and huge
+    answers, read whole, would say so."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    standin.refunds.set_mode(mode)
+    result = probes.run(refunds.probe, invocation)
+    assert result is not None
+    assert (result.finding, result.detail) == (probes.Finding.INCONCLUSIVE, detail)
+    assert result.summary["status"] == 200
 
 
 def test_probe_secrets_fill_headers_and_are_never_recorded(
