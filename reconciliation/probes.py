@@ -187,13 +187,33 @@ def _read_answer(response: httpx.Response, *, deadline: float) -> bytes:
     return bytes(body)
 
 
+# How long an http probe waits for a connection of its client's and to send its request.
+SEND_SECONDS = 5.0
+
+
+def _timeouts(config: Mapping[str, Any]) -> tuple[float, float]:
+    """An http probe's connect and read timeouts, in seconds."""
+    return float(config.get("connect_timeout", 2)), float(config.get("read_timeout", 5))
+
+
+def longest_run(config: Mapping[str, Any]) -> float:
+    """The longest an http probe can take, in seconds: until the later of its answer's
+    beginning (after the waits for a connection, to connect and to send, and a read
+    timeout) and its deadline (the connect and read timeouts from the start), then a
+    read timeout more for the read under way. 0 for other kinds, which bound nothing."""
+    if config.get("kind") != "http":
+        return 0.0
+    connect, read = _timeouts(config)
+    return 2 * SEND_SECONDS + connect + 2 * read
+
+
 def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
     url = _fill(config["url"], invocation)
     if urlsplit(url).scheme not in ("http", "https"):
         raise ProbeConfigError("an http probe needs an http(s) URL")
     summary: dict[str, Any] = {"method": "GET", "url": url}
-    connect, read = float(config.get("connect_timeout", 2)), float(config.get("read_timeout", 5))
-    timeout = httpx.Timeout(connect=connect, read=read, write=5.0, pool=5.0)
+    connect, read = _timeouts(config)
+    timeout = httpx.Timeout(connect=connect, read=read, write=SEND_SECONDS, pool=SEND_SECONDS)
     headers = _secret_headers(config.get("headers", {}))
     deadline = time.monotonic() + connect + read
     try:

@@ -33,6 +33,7 @@ from ledger.services import (
     invocation_transitions,
     shared_reference_data,
 )
+from reconciliation import probes
 from reconciliation.probes import Finding, ProbeResult
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,6 @@ def invocation_claim(
     ignores the backoff.
     """
     now = now or timezone.now()
-    lease = dt.timedelta(seconds=settings.LEDGER_PROBE_LEASE_SECONDS)
 
     def change(invocation: Invocation) -> dict[str, Any] | None:
         status = policy.Status(invocation.status)
@@ -136,7 +136,7 @@ def invocation_claim(
         except policy.Refused:
             return None
         invocation.lease_owner = worker
-        invocation.lease_expires_at = now + lease
+        invocation.lease_expires_at = now + probe_lease(invocation)
         return {"worker": worker, "lease_expires_at": invocation.lease_expires_at.isoformat()}
 
     return invocation_transition(
@@ -146,6 +146,15 @@ def invocation_claim(
         change=change,
         now=now,
     )
+
+
+def probe_lease(invocation: Invocation) -> dt.timedelta:
+    """LEDGER_PROBE_LEASE_SECONDS, or longer for an http probe that may take longer: a
+    lease running out under a probe still waiting for its answer would send a second
+    probe beside it, and count a hung worker where there was none."""
+    capability = invocation.probed_by()
+    longest = probes.longest_run(capability.probe) if capability else 0.0
+    return dt.timedelta(seconds=max(settings.LEDGER_PROBE_LEASE_SECONDS, longest))
 
 
 def _clear_lease(invocation: Invocation) -> None:

@@ -325,6 +325,29 @@ def test_only_one_claim_holds_and_an_expired_lease_reopens(api: Api, refunds: Ca
     ]
 
 
+def test_a_probe_that_may_take_longer_than_the_lease_is_claimed_for_as_long_as_it_may_take(
+    api: Api, refunds: Capability
+) -> None:
+    """Else the lease would run out under a probe still waiting for its answer: a
+    second probe beside it, and a hung worker counted where there was none."""
+    flagged(api, "inv-1", key="refund-SO-1")
+    flagged(api, "inv-2", key="refund-SO-2")
+    now = timezone.now()
+    quick = services.invocation_claim(invocation_id="inv-1", worker="a", now=now)
+    Capability.objects.filter(pk=refunds.pk).update(
+        probe={**refunds.probe, "connect_timeout": 3, "read_timeout": 60}
+    )
+    slow = services.invocation_claim(invocation_id="inv-2", worker="a", now=now)
+    assert quick is not None and slow is not None
+    assert quick.lease_expires_at == now + dt.timedelta(seconds=60)  # LEDGER_PROBE_LEASE_SECONDS
+    # To connect and send (5 + 3 + 5 s), then two read timeouts (an answer that begins
+    # just before its deadline, and the read under way then).
+    assert slow.lease_expires_at == now + dt.timedelta(seconds=133)
+    assert sweeper.expire_leases(now=now + dt.timedelta(seconds=132)) == 1
+    assert Invocation.objects.get(invocation_id="inv-1").status == "reconciliation_required"
+    assert Invocation.objects.get(invocation_id="inv-2").status == "reconciling"
+
+
 def test_a_claim_whose_worker_is_gone_reopens_before_its_lease_runs_out(
     api: Api, refunds: Capability
 ) -> None:
