@@ -4,6 +4,7 @@ PostgreSQL and the stand-in payments service: the scenarios of DESIGN section 6.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 from django.db import connection
@@ -23,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ledger.models import Capability, Event, Invocation, VerificationPass
 from ledger.partitions import create_event_partitions, month_partition, partition_state
 from ledger.services import flag_missing_evidence
+from reconciliation import probes
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
 from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, Api, person, registered, wait_for
@@ -74,24 +77,43 @@ def test_a_refund_that_never_happened_is_retried_once_under_the_same_key(
     assert standin.refunds.count() == 1
 
 
+def asks_the_standin_without_timeouts(invocation: Invocation) -> probes.ProbeResult:
+    """A python probe that asks the stand-in (STANDIN_URL) with no timeout: bounding
+    nothing itself, it is claimed for LEDGER_PROBE_LEASE_SECONDS alone."""
+    httpx.get(
+        f"{os.environ['STANDIN_URL']}/refunds",
+        params={"idempotency_key": invocation.idempotency_key},
+        timeout=None,  # noqa: S113 (the point: a probe that bounds nothing)
+    )
+    return probes.ProbeResult(probes.Finding.INCONCLUSIVE, detail="asked with no timeout")
+
+
 def probing_refund_that_hangs(
     api: Api, refunds: Capability, standin: StandInService, workers: Workers, lease_seconds: int
 ) -> subprocess.Popen[bytes]:
     """A refund made and its outcome lost; a worker whose claims last `lease_seconds`,
-    in the middle of its probe, which hangs: the worker."""
+    in the middle of its probe, which hangs: the worker. Its probe sets no timeouts, so
+    that its claim lasts no longer (an http probe's lasts as long as it may take); the
+    capability's http probe is back for whoever probes next."""
+    python_probe = f"{__name__}.{asks_the_standin_without_timeouts.__name__}"
     Capability.objects.filter(pk=refunds.pk).update(
-        probe={**standin.probe_config(), "read_timeout": 60}
+        probe={"kind": "python", "callable": python_probe}
     )
     api.intent(attempt_id="a1")
     perform_refund(standin, "refund-SO-1")
     deadline = Invocation.objects.get().deadline_at
     assert deadline is not None and flag_missing_evidence(invocation_id="inv-1", now=deadline)
     standin.refunds.set_mode("slow")  # the probe will hang
-    worker = workers.start(LEDGER_PROBE_LEASE_SECONDS=str(lease_seconds))
+    worker = workers.start(
+        LEDGER_PROBE_LEASE_SECONDS=str(lease_seconds),
+        LEDGER_PYTHON_PROBES=python_probe,
+        STANDIN_URL=standin.url,
+    )
     reconcile_invocation.delay("inv-1")
     lookups = standin.refunds.lookups_started
     wait_for(lambda: standin.refunds.lookups_started > lookups)  # the probe is in flight
     assert status_of("inv-1") == "reconciling"
+    Capability.objects.filter(pk=refunds.pk).update(probe=standin.probe_config())
     return worker
 
 
