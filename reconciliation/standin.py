@@ -141,7 +141,9 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
                 refund = {**refund, "note": "x" * padding}
             try:
                 if mode == "trickle":
-                    self.trickle(200, refund) if refund else self.trickle(404, {"error": "none"})
+                    self.trickle(200, refund) if refund else self.trickle(
+                        404, {"error": "not_found"}
+                    )
                 elif mode == "endless":
                     self.endless()
                 else:

@@ -72,12 +72,12 @@ class AddIndexToPartitionsConcurrently(NotInTransactionMixin, AddIndex):
         model = to_state.apps.get_model(app_label, self.model_name)
         if not self.allow_migrate_model(schema_editor.connection.alias, model):
             return
-        sql = cast(PostgreSQLSchemaEditor, schema_editor)
+        editor = cast(PostgreSQLSchemaEditor, schema_editor)  # for its SQL templates
         quote = schema_editor.quote_name
         table_index = quote(self.index.name)
         with schema_editor.connection.cursor() as cursor:
             if _index_validity(cursor, self.index.name) is None:
-                only = sql.sql_create_index.replace(" ON %(table)s", " ON ONLY %(table)s")
+                only = editor.sql_create_index.replace(" ON %(table)s", " ON ONLY %(table)s")
                 _execute_with_short_lock_waits(
                     schema_editor, str(self.index.create_sql(model, schema_editor, sql=only))
                 )
@@ -91,7 +91,7 @@ class AddIndexToPartitionsConcurrently(NotInTransactionMixin, AddIndex):
                 if valid is False:  # a build of an earlier run that failed
                     cursor.execute(f"DROP INDEX CONCURRENTLY {quote(name)}")
                 if not valid:
-                    on_partition = sql.sql_create_index_concurrently.replace(
+                    on_partition = editor.sql_create_index_concurrently.replace(
                         "%(name)s ON %(table)s", f"{quote(name)} ON {quote(partition)}"
                     )
                     cursor.execute(
