@@ -30,6 +30,7 @@ import os
 import re
 import threading
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -169,21 +170,61 @@ class UnreadAnswer(Exception):
     """An answer too long, or too slow to finish, to be read."""
 
 
-def _read_answer(response: httpx.Response, *, deadline: float) -> bytes:
-    """The body, read whole by `deadline` (the probe's connect and read timeouts added)
-    and within ANSWER_MAX_BYTES. httpx's read timeout bounds each read alone: a
-    business system sending a byte at a time could hold the probe, and its worker's
-    thread, for as long as it liked."""
+# The encodings a probe asks for and undoes itself, with their zlib window bits.
+ACCEPT_ENCODING = "gzip, deflate"
+ZLIB_WINDOWS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+class _Decoder:
+    """An answer's content-encoding undone as its parts arrive, never more than the room
+    left at a time. httpx's decoders inflate a whole read at once: one 64 KiB read of
+    gzip can hold 64 MiB."""
+
+    def __init__(self, encoding: str) -> None:
+        if encoding not in ("identity", *ZLIB_WINDOWS):
+            raise UnreadAnswer(f"answer encoded as {encoding!r}; a probe reads {ACCEPT_ENCODING}")
+        self.encoding = encoding
+        self.zlib = zlib.decompressobj(ZLIB_WINDOWS[encoding]) if encoding in ZLIB_WINDOWS else None
+        self.started = False
+
+    def decode(self, data: bytes, room: int) -> bytes:
+        if self.zlib is None:
+            decoded = data
+        else:
+            try:
+                decoded = self.zlib.decompress(data, room + 1)
+            except zlib.error as exc:
+                if self.encoding != "deflate" or self.started:
+                    raise UnreadAnswer(f"answer is not valid {self.encoding}: {exc}") from exc
+                # Some servers send deflate without its zlib header, as httpx allows.
+                self.zlib = zlib.decompressobj(-zlib.MAX_WBITS)
+                self.started = True
+                return self.decode(data, room)
+            self.started = self.started or bool(data)
+        if len(decoded) > room:
+            raise UnreadAnswer(f"answer over {ANSWER_MAX_BYTES} bytes")
+        return decoded
+
+    def finish(self) -> None:
+        if self.zlib is not None and self.started and not self.zlib.eof:
+            raise UnreadAnswer(f"answer's {self.encoding} stream ends early")
+
+
+def read_answer(response: httpx.Response, *, deadline: float) -> bytes:
+    """The body, decoded and read whole by `deadline` (the probe's connect and read
+    timeouts added) and within ANSWER_MAX_BYTES. httpx's read timeout bounds each read
+    alone: a business system sending a byte at a time could hold the probe, and its
+    worker's thread, for as long as it liked."""
     declared = response.headers.get("content-length", "")
     if declared.isdecimal() and int(declared) > ANSWER_MAX_BYTES:
         raise UnreadAnswer(f"answer of {declared} bytes, over {ANSWER_MAX_BYTES}")
+    decoder = _Decoder(response.headers.get("content-encoding", "identity").strip().lower())
     body = bytearray()
-    for chunk in response.iter_bytes():
-        body += chunk
-        if len(body) > ANSWER_MAX_BYTES:
-            raise UnreadAnswer(f"answer over {ANSWER_MAX_BYTES} bytes")
+    for chunk in response.iter_raw():
+        body += decoder.decode(chunk, room=ANSWER_MAX_BYTES - len(body))
         if time.monotonic() > deadline:
             raise UnreadAnswer("answer not finished within the connect and read timeouts")
+    decoder.finish()
     return bytes(body)
 
 
@@ -214,17 +255,22 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
     summary: dict[str, Any] = {"method": "GET", "url": url}
     connect, read = _timeouts(config)
     timeout = httpx.Timeout(connect=connect, read=read, write=SEND_SECONDS, pool=SEND_SECONDS)
-    headers = _secret_headers(config.get("headers", {}))
+    headers = {"Accept-Encoding": ACCEPT_ENCODING, **_secret_headers(config.get("headers", {}))}
     deadline = time.monotonic() + connect + read
     try:
         with _http_client().stream("GET", url, headers=headers, timeout=timeout) as streamed:
             summary["status"] = streamed.status_code
-            body = _read_answer(streamed, deadline=deadline)
+            body = read_answer(streamed, deadline=deadline)
     except httpx.HTTPError as exc:
         return ProbeResult(Finding.INCONCLUSIVE, detail=f"{type(exc).__name__}", summary=summary)
     except UnreadAnswer as exc:
         return ProbeResult(Finding.INCONCLUSIVE, detail=str(exc), summary=summary)
-    response = httpx.Response(streamed.status_code, headers=streamed.headers, content=body)
+    decoded_headers = [
+        (name, value)
+        for name, value in streamed.headers.multi_items()
+        if name.lower() not in ("content-encoding", "content-length")
+    ]
+    response = httpx.Response(streamed.status_code, headers=decoded_headers, content=body)
     if response.is_redirect:
         location = response.headers.get("location", "")
         return ProbeResult(

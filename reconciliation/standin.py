@@ -5,18 +5,23 @@ created once per key, and can be looked up by key — which is all the ledger's 
 probe needs. State lives in a SQLite file, so several processes and restarts see
 the same refunds. For fault drills the lookup can be switched to answer slowly,
 with 5xx, with a malformed body, with a redirect, a byte at a time (trickle), with
-two megabytes (huge) or with a body that never ends (endless) (`POST /_control`).
+two megabytes (huge), with a body that never ends (endless), compressed as a web
+server with compression on would (gzip, deflate, deflate_raw), twice over (stacked), or
+as a few kilobytes of gzip that inflate past 64 MiB (gzip_bomb) (`POST /_control`).
 
     python manage.py standin_service --port 9100
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 import sqlite3
 import threading
 import time
 import uuid
+import zlib
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,12 +30,53 @@ from urllib.parse import parse_qs, urlsplit
 
 # Refunds above this are rejected by the business rules (a business_failed outcome).
 REFUND_LIMIT = 10_000
-LOOKUP_MODES = ("normal", "slow", "5xx", "malformed", "redirect", "trickle", "huge", "endless")
+ENCODED_MODES = ("gzip", "deflate", "deflate_raw", "stacked", "gzip_bomb")
+LOOKUP_MODES = (
+    "normal",
+    "slow",
+    "5xx",
+    "malformed",
+    "redirect",
+    "trickle",
+    "huge",
+    "endless",
+    *ENCODED_MODES,
+)
 # A trickled answer's pause between its bytes: each read of the client's waits far less
 # than its read timeout, and the whole answer takes half a minute.
 TRICKLE_SECONDS = 0.2
 # A huge answer: a found refund padded to this many bytes, its length declared.
 HUGE_BYTES = 2 * 1024 * 1024
+# A gzip bomb's whitespace before the answer: valid JSON when read whole.
+BOMB_BYTES = 64 * 1024 * 1024
+
+
+@functools.cache
+def gzip_bomb_start() -> tuple[bytes, Any]:
+    """The bomb's compressed whitespace, and the compressor that made it, to be copied
+    and finished with each answer (compressing 64 MiB takes a while)."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    return compressor.compress(b" " * BOMB_BYTES), compressor
+
+
+def encoded(mode: str, raw: bytes, accepted: str) -> tuple[bytes, str | None]:
+    """The answer in `mode`'s encoding, and its Content-Encoding; plain when the request
+    does not accept the encoding, as a web server would answer (the bomb's and stacked
+    answers are sent regardless)."""
+    if mode == "gzip_bomb":
+        start, compressor = gzip_bomb_start()
+        compressor = compressor.copy()
+        return start + compressor.compress(raw) + compressor.flush(), "gzip"
+    if mode == "stacked":
+        return gzip.compress(gzip.compress(raw)), "gzip, gzip"
+    encoding = "deflate" if mode == "deflate_raw" else mode
+    if encoding not in accepted:
+        return raw, None
+    if mode == "gzip":
+        return gzip.compress(raw), encoding
+    window = -zlib.MAX_WBITS if mode == "deflate_raw" else zlib.MAX_WBITS
+    compressor = zlib.compressobj(6, zlib.DEFLATED, window)
+    return compressor.compress(raw) + compressor.flush(), encoding
 
 
 class Refunds:
@@ -40,6 +86,8 @@ class Refunds:
         # Lookups this process has started answering: lets a fault drill wait until a
         # probe is really inside the business system.
         self.lookups_started = 0
+        # The Content-Encoding of each answer in an encoded mode (None: sent plain).
+        self.encodings_sent: list[str | None] = []
         with self._db() as db:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS refund (id TEXT PRIMARY KEY, "
@@ -146,6 +194,14 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
                     )
                 elif mode == "endless":
                     self.endless()
+                elif mode in ENCODED_MODES:
+                    status, body = (200, refund) if refund else (404, {"error": "not_found"})
+                    raw, encoding = encoded(
+                        mode, json.dumps(body).encode(), self.headers.get("Accept-Encoding", "")
+                    )
+                    with refunds.lock:
+                        refunds.encodings_sent.append(encoding)
+                    self.reply(status, raw, {"Content-Encoding": encoding} if encoding else None)
                 else:
                     self.reply(200, refund) if refund else self.reply(404, {"error": "not_found"})
             except (BrokenPipeError, ConnectionResetError):

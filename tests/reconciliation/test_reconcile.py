@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import gzip
 import importlib
 import json
 import threading
+import time
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
 import psycopg
 import pytest
 from django.db import connection
@@ -19,7 +23,7 @@ from ledger import policy
 from ledger.models import Capability, Invocation, NamedReference
 from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services, sweeper
-from reconciliation.standin import HUGE_BYTES, StandInService
+from reconciliation.standin import HUGE_BYTES, StandInService, gzip_bomb_start
 from reconciliation.tasks import reconcile_invocation, worker_name
 from tests.conftest import Api, wait_for
 from tests.reconciliation.conftest import perform_refund
@@ -158,6 +162,79 @@ def test_an_answer_too_slow_to_finish_or_too_long_is_inconclusive_unread(
     assert result is not None
     assert (result.finding, result.detail) == (probes.Finding.INCONCLUSIVE, detail)
     assert result.summary["status"] == 200
+
+
+@pytest.mark.parametrize("mode", ["gzip", "deflate", "deflate_raw"])
+def test_a_compressed_answer_is_read(
+    api: Api, refunds: Capability, standin: StandInService, mode: str
+) -> None:
+    """A business system behind a web server with compression on answers in gzip or
+    deflate (some send deflate without its zlib header): a found refund and a missing
+    one are both read."""
+    found, missing = flagged(api), flagged(api, "inv-2", "refund-SO-2")
+    refund = perform_refund(standin, "refund-SO-1").json()
+    standin.refunds.set_mode(mode)
+    results = [probes.run(refunds.probe, invocation) for invocation in (found, missing)]
+    assert [(r and r.finding, r and r.business_reference) for r in results] == [
+        (probes.Finding.PRESENT, refund["id"]),
+        (probes.Finding.ABSENT, ""),
+    ]
+    assert standin.refunds.encodings_sent == ["deflate" if mode == "deflate_raw" else mode] * 2
+
+
+def test_a_gzip_bomb_is_inconclusive_and_never_inflated_whole(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """64 MiB of whitespace before the found refund, in 64 KiB of gzip: read whole it would
+    say found. The probe stops at ANSWER_MAX_BYTES without holding much more than that."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    standin.refunds.set_mode("gzip_bomb")
+    gzip_bomb_start()  # built before memory is traced
+    tracemalloc.start()
+    try:
+        result = probes.run(refunds.probe, invocation)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result is not None
+    assert (result.finding, result.detail) == (
+        probes.Finding.INCONCLUSIVE,
+        f"answer over {probes.ANSWER_MAX_BYTES} bytes",
+    )
+    assert standin.refunds.encodings_sent == ["gzip"]
+    assert peak < 4 * probes.ANSWER_MAX_BYTES
+
+
+def test_an_answer_in_an_encoding_a_probe_does_not_read_is_inconclusive(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """gzip twice over: httpx would undo both, each layer inflating a whole read at once.
+    The probe asked for one layer of gzip or deflate and reads nothing else."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    standin.refunds.set_mode("stacked")
+    result = probes.run(refunds.probe, invocation)
+    assert result is not None
+    assert (result.finding, result.detail) == (
+        probes.Finding.INCONCLUSIVE,
+        "answer encoded as 'gzip, gzip'; a probe reads gzip, deflate",
+    )
+
+
+def test_a_compressed_answer_cut_short_is_unread() -> None:
+    """A connection closed midway through a gzip answer, its length undeclared."""
+    whole = gzip.compress(json.dumps({"status": "succeeded", "id": "re_1"}).encode())
+    cut = httpx.Response(
+        200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(whole[:-8])
+    )
+    with pytest.raises(probes.UnreadAnswer, match="answer's gzip stream ends early"):
+        probes.read_answer(cut, deadline=time.monotonic() + 5)
+    read = probes.read_answer(
+        httpx.Response(200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(whole)),
+        deadline=time.monotonic() + 5,
+    )
+    assert json.loads(read)["id"] == "re_1"
 
 
 def test_probe_secrets_fill_headers_and_are_never_recorded(
