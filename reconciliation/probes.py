@@ -255,7 +255,10 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
     summary: dict[str, Any] = {"method": "GET", "url": url}
     connect, read = _timeouts(config)
     timeout = httpx.Timeout(connect=connect, read=read, write=SEND_SECONDS, pool=SEND_SECONDS)
-    headers = {"Accept-Encoding": ACCEPT_ENCODING, **_secret_headers(config.get("headers", {}))}
+    # Rules read JSON: a business system that answers by the Accept header (HTML to a
+    # browser's) is asked for it. The probe's own headers replace these, in any case.
+    headers = httpx.Headers({"Accept": "application/json", "Accept-Encoding": ACCEPT_ENCODING})
+    headers.update(_secret_headers(config.get("headers", {})))
     deadline = time.monotonic() + connect + read
     try:
         with _http_client().stream("GET", url, headers=headers, timeout=timeout) as streamed:

@@ -250,6 +250,37 @@ def test_probe_secrets_fill_headers_and_are_never_recorded(
     assert "sk_live_hush" not in str(list(invocation.events.values_list("data", flat=True)))
 
 
+def test_a_probe_asks_for_json_in_an_encoding_it_reads(api: Api, refunds: Capability) -> None:
+    """Its rules read JSON, and a business system may answer by the Accept header. A
+    header configured for the probe takes the place of the probe's own."""
+    asked: list[tuple[str | None, str | None]] = []
+
+    class RecordsHeaders(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            asked.append((self.headers.get("Accept"), self.headers.get("Accept-Encoding")))
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RecordsHeaders)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    invocation = flagged(api)
+    config = {**refunds.probe, "url": f"http://127.0.0.1:{server.server_address[1]}/refunds"}
+    try:
+        probes.run(config, invocation)
+        probes.run({**config, "headers": {"accept": "application/vnd.pay+json"}}, invocation)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == [
+        ("application/json", "gzip, deflate"),
+        ("application/vnd.pay+json", "gzip, deflate"),
+    ]
+
+
 def test_a_probe_sends_no_cookie_an_earlier_answer_set(api: Api, refunds: Capability) -> None:
     """Probes share a client per thread; what one answer sets must not reach the next."""
     cookies_sent: list[str | None] = []
