@@ -88,6 +88,21 @@ _HINTS = {
 }
 
 
+# "Absent" lets the runtime retry the effect, so the answer that says it must be the
+# business system's own: a status alone would take any 404 (a gateway's while the
+# system is deployed, a mistyped or moved URL's) for "never happened".
+ABSENT_UNIDENTIFIED = (
+    "absent: needs 'json_path' and 'equals', naming what in the business system's answer "
+    "says there is no such effect; a status alone would take any 404 (a gateway's, a "
+    "mistyped URL's) for 'never happened', and the runtime would retry the effect"
+)
+
+
+def absent_identified(rule: dict[str, Any]) -> bool:
+    """Whether an absent rule names the business system's own answer."""
+    return "json_path" in rule and "equals" in rule
+
+
 def problems(config: Any) -> list[str]:
     """What is wrong with a probe configuration, each naming where; [] when nothing."""
     found = []
@@ -101,6 +116,8 @@ def problems(config: Any) -> list[str]:
     if kind == "http" and not ("present" in config or "absent" in config):
         # With neither rule every answer would be inconclusive.
         found.append("the configuration: an http probe needs a 'present' or an 'absent' rule")
+    if kind == "http" and "absent" in config and not absent_identified(config["absent"]):
+        found.append(ABSENT_UNIDENTIFIED)
     if kind == "python" and config["callable"] not in settings.LEDGER_PYTHON_PROBES:
         found.append(f"callable: {config['callable']!r} is not listed in LEDGER_PYTHON_PROBES")
     return found

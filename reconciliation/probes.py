@@ -11,7 +11,7 @@ A probe never dispatches a business operation. It is configured per capability
      "connect_timeout": 2, "read_timeout": 5,
      "present": {"status": 200, "json_path": "status", "equals": "succeeded",
                  "reference_path": "id"},
-     "absent": {"status": 404}}
+     "absent": {"status": 404, "json_path": "error", "equals": "refund_not_found"}}
 
 The admin checks a configuration when it is saved (ledger/probe_config.py).
 URL templates may use {idempotency_key}, {invocation_id} and {business_reference}
@@ -41,6 +41,7 @@ import httpx
 from django.conf import settings
 
 from ledger.models import Invocation
+from ledger.probe_config import ABSENT_UNIDENTIFIED, absent_identified
 
 
 class Finding(StrEnum):
@@ -285,6 +286,9 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
             reference = _reference(response, reference_path) if reference_path else ""
             return ProbeResult(Finding.PRESENT, business_reference=reference, summary=summary)
         if _rule_matches(config.get("absent"), response):
+            if not absent_identified(config["absent"]):  # saved before it was checked
+                detail = f"misconfigured: {ABSENT_UNIDENTIFIED}"
+                return ProbeResult(Finding.INCONCLUSIVE, detail=detail, summary=summary)
             return ProbeResult(Finding.ABSENT, summary=summary)
     except (ValueError, KeyError) as exc:
         return ProbeResult(

@@ -47,6 +47,9 @@ LOOKUP_MODES = (
 TRICKLE_SECONDS = 0.2
 # A huge answer: a found refund padded to this many bytes, its length declared.
 HUGE_BYTES = 2 * 1024 * 1024
+# A lookup's answer when no refund has the key; any other path is answered 404 too,
+# with {"error": "not_found"}, as a web framework answers a route it does not know.
+NO_REFUND = {"error": "refund_not_found"}
 # A gzip bomb's whitespace before the answer: valid JSON when read whole.
 BOMB_BYTES = 64 * 1024 * 1024
 
@@ -189,13 +192,11 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
                 refund = {**refund, "note": "x" * padding}
             try:
                 if mode == "trickle":
-                    self.trickle(200, refund) if refund else self.trickle(
-                        404, {"error": "not_found"}
-                    )
+                    self.trickle(200, refund) if refund else self.trickle(404, NO_REFUND)
                 elif mode == "endless":
                     self.endless()
                 elif mode in ENCODED_MODES:
-                    status, body = (200, refund) if refund else (404, {"error": "not_found"})
+                    status, body = (200, refund) if refund else (404, NO_REFUND)
                     raw, encoding = encoded(
                         mode, json.dumps(body).encode(), self.headers.get("Accept-Encoding", "")
                     )
@@ -203,7 +204,7 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
                         refunds.encodings_sent.append(encoding)
                     self.reply(status, raw, {"Content-Encoding": encoding} if encoding else None)
                 else:
-                    self.reply(200, refund) if refund else self.reply(404, {"error": "not_found"})
+                    self.reply(200, refund) if refund else self.reply(404, NO_REFUND)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the probe stopped reading, as it should
 
@@ -295,5 +296,5 @@ class StandInService:
                 "equals": "succeeded",
                 "reference_path": "id",
             },
-            "absent": {"status": 404},
+            "absent": {"status": 404, "json_path": "error", "equals": "refund_not_found"},
         }

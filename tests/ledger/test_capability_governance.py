@@ -279,7 +279,7 @@ def test_the_action_log_page_masks_a_secret_in_a_probe_setting(db: None) -> None
         "kind": "http",
         "url": "https://pay.example/refunds?key={idempotency_key}",
         "headers": {"Authorization": "Bearer sk_live_typed_in_by_mistake"},
-        "absent": {"status": 404},
+        "absent": {"status": 404, "json_path": "error", "equals": "refund_not_found"},
     }
     registered("refund.create", settings={"probe": probe})
     page = person("cora", "compliance").get("/audit/actions/").content.decode()
@@ -292,7 +292,7 @@ def test_a_probe_changed_shows_only_what_changed_and_no_secret(db: None) -> None
         "kind": "http",
         "url": "https://pay.example/refunds?key={idempotency_key}",
         "headers": {"Authorization": "Bearer sk_live_old"},
-        "absent": {"status": 404},
+        "absent": {"status": 404, "json_path": "error", "equals": "refund_not_found"},
         "read_timeout": 2,
     }
     registered("refund.create", settings={"probe": probe})
@@ -300,7 +300,7 @@ def test_a_probe_changed_shows_only_what_changed_and_no_secret(db: None) -> None
         **probe,
         "url": "https://payments.example/refunds?key={idempotency_key}",
         "headers": {"Authorization": "Bearer sk_live_new"},
-        "absent": {"status": 404, "json_path": "error"},
+        "absent": {"status": 404, "json_path": "code", "equals": "no_refund"},
         "connect_timeout": 1,
     }
     del moved["read_timeout"]
@@ -310,7 +310,8 @@ def test_a_probe_changed_shows_only_what_changed_and_no_secret(db: None) -> None
 
     newest = AdminAction.objects.latest("id")
     assert newest.change == (
-        'probe.absent.json_path: absent → "error"; '
+        'probe.absent.equals: "refund_not_found" → "no_refund"; '
+        'probe.absent.json_path: "error" → "code"; '
         "probe.connect_timeout: absent → 1; "
         'probe.headers.Authorization: "[redacted]" → "[redacted]"; '
         "probe.read_timeout: 2 → absent; "
@@ -375,7 +376,7 @@ def test_the_capability_page_shows_what_is_in_force_and_how_it_came_to_be(db: No
             "kind": "http",
             "url": "https://pay.example/refunds?key={idempotency_key}",
             "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},
-            "absent": {"status": 404},
+            "absent": {"status": 404, "json_path": "error", "equals": "refund_not_found"},
         },
     )
     reviewer = person("cora", "compliance")

@@ -14,6 +14,9 @@ from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation
 from tests.conftest import Api, registered
 
+# The business system's own "no such refund", not any 404.
+ABSENT = {"status": 404, "json_path": "error", "equals": "refund_not_found"}
+
 README_EXAMPLE = {
     "kind": "http",
     "url": "https://pay.example/refunds?idempotency_key={idempotency_key}",
@@ -26,7 +29,7 @@ README_EXAMPLE = {
         "equals": "succeeded",
         "reference_path": "id",
     },
-    "absent": {"status": 404},
+    "absent": ABSENT,
 }
 
 
@@ -39,7 +42,7 @@ README_EXAMPLE = {
         {
             "kind": "http",
             "url": "http://h/r/{invocation_id}/{business_reference}",
-            "absent": {"status": 404},
+            "absent": ABSENT,
         },
     ],
     ids=["empty", "none", "readme", "placeholders"],
@@ -58,17 +61,17 @@ def test_the_stand_ins_probe_is_valid(standin: StandInService) -> None:
         ([], "the configuration: [] is not of type 'object'"),
         ({"kind": "htp"}, "kind: 'htp' is not one of ['none', 'http', 'python']"),
         ({"kind": "none", "url": "http://h/"}, "Additional properties are not allowed ('url'"),
-        ({"kind": "http", "absent": {"status": 404}}, "'url' is a required property"),
+        ({"kind": "http", "absent": ABSENT}, "'url' is a required property"),
         (
-            {"kind": "http", "url": "ftp://h/{idempotency_key}", "absent": {"status": 404}},
+            {"kind": "http", "url": "ftp://h/{idempotency_key}", "absent": ABSENT},
             "url: 'ftp://h/{idempotency_key}' does not match",
         ),
         (
-            {"kind": "http", "url": "https://h/?k={idempotency-key}", "absent": {"status": 404}},
+            {"kind": "http", "url": "https://h/?k={idempotency-key}", "absent": ABSENT},
             "its placeholders can only be {idempotency_key}, {invocation_id}, {business_reference}",
         ),
         (
-            {"kind": "http", "url": "https://h/", "read_timout": 5, "absent": {"status": 404}},
+            {"kind": "http", "url": "https://h/", "read_timout": 5, "absent": ABSENT},
             "Additional properties are not allowed ('read_timout'",
         ),
         (
@@ -80,10 +83,18 @@ def test_the_stand_ins_probe_is_valid(standin: StandInService) -> None:
             "absent: 'json_path' is a dependency of 'equals'",
         ),
         (
-            {"kind": "http", "url": "https://h/", "read_timeout": 0, "absent": {"status": 404}},
+            {"kind": "http", "url": "https://h/", "read_timeout": 0, "absent": ABSENT},
             "read_timeout: 0 is less than or equal to the minimum of 0",
         ),
         ({"kind": "http", "url": "https://h/"}, "needs a 'present' or an 'absent' rule"),
+        (
+            {"kind": "http", "url": "https://h/", "absent": {"status": 404}},
+            "absent: needs 'json_path' and 'equals', naming what in the business system's",
+        ),
+        (
+            {"kind": "http", "url": "https://h/", "absent": {"status": 404, "json_path": "e"}},
+            "a status alone would take any 404 (a gateway's, a mistyped URL's)",
+        ),
         (
             {"kind": "python", "callable": "os.system"},
             "'os.system' is not listed in LEDGER_PYTHON_PROBES",
@@ -113,7 +124,7 @@ def test_the_admin_refuses_a_malformed_probe_and_saves_nothing(admin_client: Cli
     fixed = {
         "kind": "http",
         "url": "https://pay.example/r?k={idempotency_key}",
-        "absent": {"status": 404},
+        "absent": ABSENT,
     }
     form["probe"] = json.dumps(fixed)
     response = admin_client.post(f"/admin/ledger/capability/{capability.pk}/change/", form)
@@ -122,7 +133,7 @@ def test_the_admin_refuses_a_malformed_probe_and_saves_nothing(admin_client: Cli
     response = admin_client.post(f"/admin/ledger/capability/{capability.pk}/change/", form)
     assert response.status_code == 302, response.content.decode()[:2000]
     capability.refresh_from_db()
-    assert capability.probe["absent"] == {"status": 404}
+    assert capability.probe["absent"] == ABSENT
 
 
 def test_the_admin_points_at_the_escalations_a_new_probe_could_settle(
@@ -135,7 +146,7 @@ def test_the_admin_points_at_the_escalations_a_new_probe_could_settle(
     form = {
         "idempotency_verified": "", "max_attempts": 5, "grace_ms": 60000, "redact_paths": "",
         "probe": json.dumps({"kind": "http", "url": "https://pay.example/r?k={idempotency_key}",
-                             "absent": {"status": 404}}),
+                             "absent": ABSENT}),
         "reason": "payments can be asked now",
         "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
     }  # fmt: skip

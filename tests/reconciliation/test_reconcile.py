@@ -23,7 +23,7 @@ from ledger import policy
 from ledger.models import Capability, Invocation, NamedReference
 from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services, sweeper
-from reconciliation.standin import HUGE_BYTES, StandInService, gzip_bomb_start
+from reconciliation.standin import HUGE_BYTES, NO_REFUND, StandInService, gzip_bomb_start
 from reconciliation.tasks import reconcile_invocation, worker_name
 from tests.conftest import Api, wait_for
 from tests.reconciliation.conftest import perform_refund
@@ -237,6 +237,33 @@ def test_a_compressed_answer_cut_short_is_unread() -> None:
     assert json.loads(read)["id"] == "re_1"
 
 
+def test_a_404_that_is_not_the_business_systems_no_such_refund_is_not_absent(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """ "Absent" lets the runtime retry the refund. A mistyped or moved URL is answered
+    404 by whatever routes it, and the refund did happen: taken for "absent", every
+    flagged refund would be made twice."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    mistyped = {**refunds.probe, "url": refunds.probe["url"].replace("/refunds?", "/refund?")}
+    result = probes.run(mistyped, invocation)
+    assert result is not None
+    assert (result.finding, result.detail) == (
+        probes.Finding.INCONCLUSIVE,
+        "no rule matched status 404",
+    )
+    # A probe saved before its absent rule had to name the answer concludes nothing
+    # from any 404, however its URL is spelled: a person decides.
+    bare = {**mistyped, "absent": {"status": 404}}
+    Capability.objects.filter(pk=refunds.pk).update(probe=bare)
+    assert reconcile_invocation.run("inv-1") == "recorded"
+    invocation = Invocation.objects.get()
+    assert invocation.status == "reconciliation_required"
+    probe_run = invocation.events.get(kind="probe_run").data
+    assert probe_run["finding"] == "inconclusive"
+    assert probe_run["detail"].startswith("misconfigured: absent: needs 'json_path' and 'equals'")
+
+
 def test_probe_secrets_fill_headers_and_are_never_recorded(
     api: Api, refunds: Capability, standin: StandInService
 ) -> None:
@@ -291,10 +318,12 @@ def test_a_probe_sends_no_cookie_an_earlier_answer_set(api: Api, refunds: Capabi
 
         def do_GET(self) -> None:
             cookies_sent.append(self.headers.get("Cookie"))
+            body = json.dumps(NO_REFUND).encode()
             self.send_response(404)
             self.send_header("Set-Cookie", "session=from-the-first-answer; Path=/")
-            self.send_header("Content-Length", "0")
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            self.wfile.write(body)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), SetsACookie)
     threading.Thread(target=server.serve_forever, daemon=True).start()
