@@ -50,6 +50,7 @@ from ledger.integrity import (
 from ledger.metrics import exposition
 from ledger.models import AdminAction, Capability, CapabilityDeclaration, Event, RateWatch
 from ledger.permissions import READERS, fragment, role_required
+from ledger.probe_config import problems
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +322,9 @@ def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
         "declarations": capability.declarations.order_by("-version"),
         "rate_watch": RateWatch.objects.filter(scope=scope).first(),
         "awaiting_probe": awaiting_its_probe(capability) if capability.has_probe else "",
+        # A probe saved before a check it now fails runs all the same; what it cannot
+        # conclude is said here, and when an administrator saves it next.
+        "probe_problems": problems(capability.probe),
         "defaults": {
             "timeout_ms": settings.LEDGER_DEFAULT_TIMEOUT_MS,
             "grace_ms": settings.LEDGER_DEFAULT_GRACE_MS,

@@ -1222,6 +1222,7 @@ def test_an_operator_reruns_the_probes_a_capability_was_given_for_its_escalated_
     assert "2 escalated invocations of refund.create that nobody is on" in page
     its_page = compliance.get("/audit/capabilities/refund.create/").content.decode()
     assert "2 escalated invocations that nobody is on could be settled by it now" in its_page
+    assert 'id="probe-problems"' not in its_page
     assert 'href="/?capability=refund.create">re-run their probes from the queue' in its_page
     assert (
         "Re-run their probes" not in compliance.get("/?capability=refund.create").content.decode()

@@ -25,7 +25,7 @@ from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services, sweeper
 from reconciliation.standin import HUGE_BYTES, NO_REFUND, StandInService, gzip_bomb_start
 from reconciliation.tasks import reconcile_invocation, worker_name
-from tests.conftest import Api, wait_for
+from tests.conftest import Api, person, wait_for
 from tests.reconciliation.conftest import perform_refund
 
 
@@ -262,6 +262,10 @@ def test_a_404_that_is_not_the_business_systems_no_such_refund_is_not_absent(
     probe_run = invocation.events.get(kind="probe_run").data
     assert probe_run["finding"] == "inconclusive"
     assert probe_run["detail"].startswith("misconfigured: absent: needs 'json_path' and 'equals'")
+    its_page = person("cora", "compliance").get("/audit/capabilities/refund.create/")
+    assert (
+        '<ul class="errorlist" id="probe-problems"><li>absent: needs &#x27;json_path&#x27; and'
+    ) in its_page.content.decode()
 
 
 def test_probe_secrets_fill_headers_and_are_never_recorded(
