@@ -9,6 +9,7 @@ rules (the python allow-list) are checked beside it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -88,19 +89,28 @@ _HINTS = {
 }
 
 
-# "Absent" lets the runtime retry the effect, so the answer that says it must be the
-# business system's own: a status alone would take any 404 (a gateway's while the
-# system is deployed, a mistyped or moved URL's) for "never happened".
-ABSENT_UNIDENTIFIED = (
-    "absent: needs 'json_path' and 'equals', naming what in the business system's answer "
-    "says there is no such effect; a status alone would take any 404 (a gateway's, a "
-    "mistyped URL's) for 'never happened', and the runtime would retry the effect"
-)
+# A rule's answer must be the business system's own. "Absent" lets the runtime retry
+# the effect, and a status alone would take any 404 (a gateway's while the system is
+# deployed, a mistyped or moved URL's) for "never happened"; "present" settles the
+# invocation as succeeded, and a status alone would take any 200 (a login page's, an
+# empty search's) for the effect.
+UNIDENTIFIED = {
+    "present": "present: needs 'json_path' or 'reference_path', naming what in the "
+    "business system's answer says the effect happened; a status alone would take any "
+    "200 (a login page's, an empty search's) for the effect",
+    "absent": "absent: needs 'json_path' and 'equals', naming what in the business "
+    "system's answer says there is no such effect; a status alone would take any 404 (a "
+    "gateway's, a mistyped URL's) for 'never happened', and the runtime would retry the "
+    "effect",
+}
 
 
-def absent_identified(rule: dict[str, Any]) -> bool:
-    """Whether an absent rule names the business system's own answer."""
-    return "json_path" in rule and "equals" in rule
+def identifies(name: str, rule: Mapping[str, Any]) -> bool:
+    """Whether the rule `name` ("present" or "absent") names the business system's own
+    answer."""
+    if name == "absent":
+        return "json_path" in rule and "equals" in rule
+    return "json_path" in rule or "reference_path" in rule
 
 
 def problems(config: Any) -> list[str]:
@@ -116,8 +126,12 @@ def problems(config: Any) -> list[str]:
     if kind == "http" and not ("present" in config or "absent" in config):
         # With neither rule every answer would be inconclusive.
         found.append("the configuration: an http probe needs a 'present' or an 'absent' rule")
-    if kind == "http" and "absent" in config and not absent_identified(config["absent"]):
-        found.append(ABSENT_UNIDENTIFIED)
+    if kind == "http":
+        found += [
+            problem
+            for name, problem in UNIDENTIFIED.items()
+            if name in config and not identifies(name, config[name])
+        ]
     if kind == "python" and config["callable"] not in settings.LEDGER_PYTHON_PROBES:
         found.append(f"callable: {config['callable']!r} is not listed in LEDGER_PYTHON_PROBES")
     return found

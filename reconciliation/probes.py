@@ -41,7 +41,7 @@ import httpx
 from django.conf import settings
 
 from ledger.models import Invocation
-from ledger.probe_config import ABSENT_UNIDENTIFIED, absent_identified
+from ledger.probe_config import UNIDENTIFIED, identifies
 
 
 class Finding(StrEnum):
@@ -116,8 +116,8 @@ def _json_path(body: Any, path: str) -> Any:
     return node
 
 
-def _rule_matches(rule: Mapping[str, Any] | None, response: httpx.Response) -> bool:
-    if not rule or response.status_code != rule.get("status"):
+def _rule_matches(rule: Mapping[str, Any], response: httpx.Response) -> bool:
+    if response.status_code != rule.get("status"):
         return False
     if "json_path" not in rule:
         return True
@@ -281,15 +281,16 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
             Finding.INCONCLUSIVE, detail=f"redirect to {location!r} not followed", summary=summary
         )
     try:
-        if _rule_matches(config.get("present"), response):
-            reference_path = config["present"].get("reference_path")
-            reference = _reference(response, reference_path) if reference_path else ""
-            return ProbeResult(Finding.PRESENT, business_reference=reference, summary=summary)
-        if _rule_matches(config.get("absent"), response):
-            if not absent_identified(config["absent"]):  # saved before it was checked
-                detail = f"misconfigured: {ABSENT_UNIDENTIFIED}"
+        for name, finding in (("present", Finding.PRESENT), ("absent", Finding.ABSENT)):
+            rule = config.get(name)
+            if rule is None or not _rule_matches(rule, response):
+                continue
+            if not identifies(name, rule):  # saved before it was checked
+                detail = f"misconfigured: {UNIDENTIFIED[name]}"
                 return ProbeResult(Finding.INCONCLUSIVE, detail=detail, summary=summary)
-            return ProbeResult(Finding.ABSENT, summary=summary)
+            reference_path = rule.get("reference_path")
+            reference = _reference(response, reference_path) if reference_path else ""
+            return ProbeResult(finding, business_reference=reference, summary=summary)
     except (ValueError, KeyError) as exc:
         return ProbeResult(
             Finding.INCONCLUSIVE, detail=f"unreadable response: {exc!r}"[:200], summary=summary

@@ -96,6 +96,10 @@ def test_the_stand_ins_probe_is_valid(standin: StandInService) -> None:
             "a status alone would take any 404 (a gateway's, a mistyped URL's)",
         ),
         (
+            {"kind": "http", "url": "https://h/", "present": {"status": 200}},
+            "present: needs 'json_path' or 'reference_path', naming what in the business",
+        ),
+        (
             {"kind": "python", "callable": "os.system"},
             "'os.system' is not listed in LEDGER_PYTHON_PROBES",
         ),

@@ -268,6 +268,26 @@ def test_a_404_that_is_not_the_business_systems_no_such_refund_is_not_absent(
     ) in its_page.content.decode()
 
 
+def test_a_200_that_is_not_the_refund_is_not_present(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """ "Present" settles the invocation as succeeded. A status alone would take any 200
+    for the refund: here the service's statistics, asked by a probe pointed at the wrong
+    page. No refund was made."""
+    invocation = flagged(api)
+    stats = {**refunds.probe, "url": f"{standin.url}/stats?key={{idempotency_key}}"}
+    result = probes.run(stats, invocation)
+    assert result is not None
+    assert (result.finding, result.detail) == (
+        probes.Finding.INCONCLUSIVE,
+        "unreadable response: KeyError('status')",
+    )
+    result = probes.run({**stats, "present": {"status": 200}}, invocation)
+    assert result is not None
+    assert result.finding is probes.Finding.INCONCLUSIVE
+    assert result.detail.startswith("misconfigured: present: needs 'json_path' or")
+
+
 def test_probe_secrets_fill_headers_and_are_never_recorded(
     api: Api, refunds: Capability, standin: StandInService
 ) -> None:
