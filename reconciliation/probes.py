@@ -117,11 +117,18 @@ def _json_path(body: Any, path: str) -> Any:
 
 
 def _rule_matches(rule: Mapping[str, Any], response: httpx.Response) -> bool:
+    """Whether the answer has the rule's status and, in its JSON, the rule's path (with
+    the value it `equals`). A path the answer lacks is not a match: a search's empty
+    `{"data": []}` has no `data.0.status` for the present rule, and is for the absent
+    one to read."""
     if response.status_code != rule.get("status"):
         return False
     if "json_path" not in rule:
         return True
-    value = _json_path(response.json(), rule["json_path"])
+    try:
+        value = _json_path(response.json(), rule["json_path"])
+    except KeyError:
+        return False
     return "equals" not in rule or value == rule["equals"]
 
 

@@ -169,6 +169,10 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
             if url.path == "/stats":
                 self.reply(200, {"refunds": refunds.count()})
                 return
+            if url.path == "/refunds/search":  # as a search API answers: a list, maybe empty
+                found = refunds.find(query.get("idempotency_key", [""])[0])
+                self.reply(200, {"data": [found] if found else []})
+                return
             if url.path != "/refunds":
                 self.reply(404, {"error": "not_found"})
                 return

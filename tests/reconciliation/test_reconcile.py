@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from ledger import policy
 from ledger.models import Capability, Invocation, NamedReference
+from ledger.probe_config import problems
 from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services, sweeper
 from reconciliation.standin import HUGE_BYTES, NO_REFUND, StandInService, gzip_bomb_start
@@ -280,12 +281,38 @@ def test_a_200_that_is_not_the_refund_is_not_present(
     assert result is not None
     assert (result.finding, result.detail) == (
         probes.Finding.INCONCLUSIVE,
-        "unreadable response: KeyError('status')",
+        "no rule matched status 200",
     )
     result = probes.run({**stats, "present": {"status": 200}}, invocation)
     assert result is not None
     assert result.finding is probes.Finding.INCONCLUSIVE
     assert result.detail.startswith("misconfigured: present: needs 'json_path' or")
+
+
+def test_a_search_answering_200_either_way_is_read_by_its_paths(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """A search API answers 200 with a list, empty when nothing has the key: the present
+    rule's path is missing from the empty list, and the absent rule reads it."""
+    found, missing = flagged(api), flagged(api, "inv-2", "refund-SO-2")
+    refund = perform_refund(standin, "refund-SO-1").json()
+    search = {
+        "kind": "http",
+        "url": f"{standin.url}/refunds/search?idempotency_key={{idempotency_key}}",
+        "present": {
+            "status": 200,
+            "json_path": "data.0.status",
+            "equals": "succeeded",
+            "reference_path": "data.0.id",
+        },
+        "absent": {"status": 200, "json_path": "data", "equals": []},
+    }
+    assert problems(search) == []
+    results = [probes.run(search, invocation) for invocation in (found, missing)]
+    assert [(r and r.finding, r and r.business_reference) for r in results] == [
+        (probes.Finding.PRESENT, refund["id"]),
+        (probes.Finding.ABSENT, ""),
+    ]
 
 
 def test_probe_secrets_fill_headers_and_are_never_recorded(
