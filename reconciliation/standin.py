@@ -2,12 +2,14 @@
 
 It behaves like a business system that enforces idempotency keys: a refund is
 created once per key, and can be looked up by key — which is all the ledger's http
-probe needs. State lives in a SQLite file, so several processes and restarts see
-the same refunds. For fault drills the lookup can be switched to answer slowly,
-with 5xx, with a malformed body, with a redirect, a byte at a time (trickle), with
-two megabytes (huge), with a body that never ends (endless), compressed as a web
-server with compression on would (gzip, deflate, deflate_raw), twice over (stacked), or
-as a few kilobytes of gzip that inflate past 64 MiB (gzip_bomb) (`POST /_control`).
+probe needs — at `/refunds` (404 when there is none) or, as a search API answers, at
+`/refunds/search` (200 with a list, empty when there is none). State lives in a
+SQLite file, so several processes and restarts see the same refunds. For fault
+drills the lookup can be switched to answer slowly, with 5xx, with a malformed body,
+with a redirect, a byte at a time (trickle), with two megabytes (huge), with a body
+that never ends (endless), compressed as a web server with compression on would
+(gzip, deflate, deflate_raw), twice over (stacked), or as a few kilobytes of gzip
+that inflate past 64 MiB (gzip_bomb) (`POST /_control`).
 
     python manage.py standin_service --port 9100
 """
