@@ -351,6 +351,9 @@ LEDGER_PROBE_LEASE_SECONDS = env_int("LEDGER_PROBE_LEASE_SECONDS", 60, minimum=1
 LEDGER_PROBE_MAX_TRIES = env_int("LEDGER_PROBE_MAX_TRIES", 5, minimum=1)
 LEDGER_PROBE_BACKOFF_SECONDS = env_int("LEDGER_PROBE_BACKOFF_SECONDS", 5)
 # Probe header secrets, by name: LEDGER_PROBE_SECRET_PAYMENTS=… → {secret:PAYMENTS}.
+# CA certificates (PEM) an https probe trusts besides certifi's bundle: the company's
+# own CA, for business systems whose certificates it signs.
+LEDGER_PROBE_CA_FILE = os.environ.get("LEDGER_PROBE_CA_FILE", "")
 LEDGER_PROBE_SECRETS = {
     name.removeprefix("LEDGER_PROBE_SECRET_"): value
     for name, value in os.environ.items()

@@ -28,6 +28,7 @@ import http.cookiejar
 import importlib
 import os
 import re
+import ssl
 import threading
 import time
 import zlib
@@ -160,13 +161,30 @@ def _http_client() -> httpx.Client:
     change what the next one asks.
     """
     client: httpx.Client | None = getattr(_local, "client", None)
-    if client is None or _local.pid != os.getpid():
+    built_for = (os.getpid(), settings.LEDGER_PROBE_CA_FILE)
+    if client is None or _local.built_for != built_for:
         no_cookies = http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
         client = httpx.Client(
-            follow_redirects=False, cookies=http.cookiejar.CookieJar(policy=no_cookies)
+            follow_redirects=False,
+            cookies=http.cookiejar.CookieJar(policy=no_cookies),
+            verify=_tls_context(settings.LEDGER_PROBE_CA_FILE),
         )
-        _local.client, _local.pid = client, os.getpid()
+        _local.client, _local.built_for = client, built_for
     return client
+
+
+def _tls_context(ca_file: str) -> ssl.SSLContext | bool:
+    """What an https probe trusts: what httpx trusts (certifi's bundle, or the file
+    SSL_CERT_FILE names), and the CA certificates in LEDGER_PROBE_CA_FILE (a company's
+    own CA, which signs its business systems' certificates) when it names one."""
+    if not ca_file:
+        return True
+    context = httpx.create_ssl_context()
+    try:
+        context.load_verify_locations(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ProbeConfigError(f"LEDGER_PROBE_CA_FILE {ca_file!r}: {exc}") from exc
+    return context
 
 
 # The most of an answer a probe reads: a lookup's answer is a few hundred bytes, and a

@@ -20,6 +20,7 @@ import functools
 import gzip
 import json
 import sqlite3
+import ssl
 import threading
 import time
 import uuid
@@ -267,18 +268,28 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
 class StandInService:
     """The service on a local port, in a background thread (or `serve_forever`)."""
 
-    def __init__(self, db_path: Path, port: int = 0, slow_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        db_path: Path,
+        port: int = 0,
+        slow_seconds: float = 30.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """`tls`: serve https with this server context (its certificate loaded)."""
         self.refunds = Refunds(db_path)
         self.server = ThreadingHTTPServer(
             ("127.0.0.1", port), handler_for(self.refunds, slow_seconds)
         )
+        if tls is not None:
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+        self.scheme = "https" if tls else "http"
         self.server.daemon_threads = True
         self.thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{self.scheme}://{host!s}:{port}"
 
     def start(self) -> StandInService:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -6,15 +6,18 @@ import datetime as dt
 import gzip
 import importlib
 import json
+import ssl
 import threading
 import time
 import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+import trustme
 from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
@@ -313,6 +316,37 @@ def test_a_search_answering_200_either_way_is_read_by_its_paths(
         (probes.Finding.PRESENT, refund["id"]),
         (probes.Finding.ABSENT, ""),
     ]
+
+
+def test_an_https_probe_trusts_the_companys_own_ca_when_named(
+    api: Api, refunds: Capability, tmp_path: Path
+) -> None:
+    """A business system whose certificate the company's own CA signed: unverified (and
+    so inconclusive) until LEDGER_PROBE_CA_FILE names that CA, then read; a CA file
+    that cannot be read is a misconfiguration, named."""
+    ca = trustme.CA()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(tls)
+    ca.cert_pem.write_to_path(str(tmp_path / "company-ca.pem"))
+    payments = StandInService(tmp_path / "payments.sqlite3", tls=tls).start()
+    try:
+        invocation = flagged(api)
+        url = f"{payments.url}/refunds?idempotency_key={{idempotency_key}}"
+        config = {**refunds.probe, "url": url}
+        assert config["url"].startswith("https://127.0.0.1:")
+        unverified = probes.run(config, invocation)
+        with override_settings(LEDGER_PROBE_CA_FILE=str(tmp_path / "company-ca.pem")):
+            trusted = probes.run(config, invocation)
+        with (
+            override_settings(LEDGER_PROBE_CA_FILE=str(tmp_path / "missing.pem")),
+            pytest.raises(probes.ProbeConfigError, match=r"LEDGER_PROBE_CA_FILE '.*missing\.pem'"),
+        ):
+            probes.run(config, invocation)
+    finally:
+        payments.stop()
+    assert unverified is not None and trusted is not None
+    assert (unverified.finding, unverified.detail) == (probes.Finding.INCONCLUSIVE, "ConnectError")
+    assert trusted.finding is probes.Finding.ABSENT  # asked over TLS, and answered
 
 
 def test_probe_secrets_fill_headers_and_are_never_recorded(
