@@ -28,6 +28,15 @@ class StrictJSONParser(JSONParser):
     """
 
     def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
+        request = (parser_context or {}).get("request")
+        encoding = request.META.get("HTTP_CONTENT_ENCODING", "identity") if request else ""
+        if encoding.strip().lower() not in ("", "identity"):
+            # Read as JSON, a compressed body would be refused as malformed, and the
+            # runtime left to look for a fault in JSON it wrote correctly.
+            raise exceptions.UnsupportedMediaType(
+                media_type or self.media_type,
+                f"Content-Encoding {encoding!r} is not accepted: send the JSON uncompressed.",
+            )
         view = (parser_context or {}).get("view")
         limit = getattr(view, "max_body_bytes", settings.LEDGER_MAX_BODY_BYTES)
         raw = stream.read(limit + 1) if stream is not None else b""

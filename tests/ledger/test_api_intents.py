@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import gzip
+import json
 
 import pytest
 
@@ -380,6 +382,22 @@ def test_a_body_that_is_not_json_media_type_is_refused(api: Api) -> None:
     )
     assert response.status_code == 415
     assert response.json()["error"]["type"] == "unsupported_media_type"
+
+
+def test_a_compressed_body_is_refused_by_its_encoding_not_as_bad_json(api: Api) -> None:
+    response = api.client.post(
+        "/api/v1/intents",
+        gzip.compress(json.dumps(intent_body()).encode()),
+        content_type="application/json",
+        headers={**api.headers(), "Content-Encoding": "gzip"},
+    )
+    assert response.status_code == 415
+    assert response.json()["error"] == {
+        "type": "unsupported_media_type",
+        "message": "Content-Encoding 'gzip' is not accepted: send the JSON uncompressed.",
+        "details": {},
+    }
+    assert counts() == (0, 0, 0)
 
 
 def test_the_api_answers_json_whatever_accept_asks_for(api: Api, refund: Capability) -> None:
