@@ -40,6 +40,7 @@ ERRORS = {
         409: "intent_conflict / idempotency_key_in_use / attempt_refused / "
         "attempt_in_flight / outcome_conflict",
         413: "payload_too_large",
+        415: "unsupported_media_type: a body that is not JSON, or is compressed",
         422: "capability_disabled / subject_required",
         429: "rate_limited",
         500: "internal_error: the ledger failed, safe to resend / projection_broken: the "
@@ -150,7 +151,7 @@ class IntentView(StatementConfirmedView):
     @extend_schema(
         operation_id="record_intent",
         request={"application/json": inputs.INTENT_SCHEMA},
-        responses={**WRITE_RESPONSES, **errors(400, 401, 409, 413, 422, 429, 503)},
+        responses={**WRITE_RESPONSES, **errors(400, 401, 409, 413, 415, 422, 429, 503)},
         summary="Record the write-ahead intent (and, with attempt_id, admit the first attempt)",
     )
     def post(self, request: Request) -> Response:
@@ -162,7 +163,7 @@ class AttemptView(StatementConfirmedView):
     @extend_schema(
         operation_id="admit_attempt",
         request={"application/json": inputs.ATTEMPT_SCHEMA},
-        responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 429, 503)},
+        responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 415, 429, 503)},
         summary="Ask admission for a new transport attempt",
     )
     def post(self, request: Request, invocation_id: str) -> Response:
@@ -180,7 +181,7 @@ class OutcomeView(StatementConfirmedView):
     @extend_schema(
         operation_id="record_outcome",
         request={"application/json": inputs.OUTCOME_SCHEMA},
-        responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 429, 503)},
+        responses={**WRITE_RESPONSES, **errors(400, 401, 404, 409, 413, 415, 429, 503)},
         summary="Report an attempt's outcome",
     )
     def post(self, request: Request, invocation_id: str, attempt_id: str) -> Response:
@@ -302,7 +303,7 @@ class EvidenceView(StatementConfirmedView):
     @extend_schema(
         operation_id="record_evidence_batch",
         request={"application/json": inputs.BATCH_SCHEMA},
-        responses={207: s.BatchResponseSerializer, **errors(400, 401, 413, 429, 503)},
+        responses={207: s.BatchResponseSerializer, **errors(400, 401, 413, 415, 429, 503)},
         summary="Apply up to 1,000 intents, attempts and outcomes in order",
         description=(
             "Each item is the body of a single call plus `type` (`intent`, `attempt` or "
@@ -387,7 +388,7 @@ class CapabilityView(RuntimeAPIView):
         responses={
             201: CapabilityOutSerializer,
             200: CapabilityOutSerializer,
-            **errors(400, 401),
+            **errors(400, 401, 415),
             403: OpenApiResponse(s.ErrorSerializer, description="not an administrator"),
         },
         summary="Register or update a capability from its ACC v1 declaration (admins)",

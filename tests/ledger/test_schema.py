@@ -86,7 +86,7 @@ def test_the_schema_documents_every_endpoint_and_error(client: Any) -> None:
         "/api/v1/invocations/{invocation_id}/attempts/{attempt_id}/outcome",
     }
     intent = paths["/api/v1/intents"]["post"]["responses"]
-    assert {"200", "201", "400", "401", "409", "413", "422", "429", "503"} <= set(intent)
+    assert {"200", "201", "400", "401", "409", "413", "415", "422", "429", "503"} <= set(intent)
 
 
 def test_the_schema_is_valid_openapi(client: Any) -> None:
