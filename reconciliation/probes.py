@@ -24,6 +24,8 @@ inconclusive.
 
 from __future__ import annotations
 
+import datetime as dt
+import email.utils
 import http.cookiejar
 import importlib
 import os
@@ -33,7 +35,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -59,6 +61,9 @@ class ProbeResult:
     # What was asked and answered, without secrets: for the event.
     summary: dict[str, Any] = field(default_factory=dict)
     duration_ms: int = 0
+    # Seconds the business system asked the ledger to wait before asking again (a 429's
+    # or 503's Retry-After): the next probe waits at least that long.
+    retry_after: float = 0.0
 
 
 class ProbeConfigError(ValueError):
@@ -324,7 +329,40 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
         Finding.INCONCLUSIVE,
         detail=f"no rule matched status {response.status_code}",
         summary=summary,
+        retry_after=retry_after_of(response),
     )
+
+
+# The longest a business system's Retry-After may put the next probe off: the claim's
+# tries still run out, and a person decides, within a day at the defaults.
+RETRY_AFTER_MAX_SECONDS = 3600.0
+
+
+def retry_after_of(response: httpx.Response) -> float:
+    """A 429's or 503's Retry-After, in seconds (given as seconds or as an HTTP date);
+    0 when there is none or it does not parse."""
+    value = response.headers.get("retry-after", "").strip()
+    if response.status_code not in (429, 503) or not value:
+        return 0.0
+    if value.isdecimal():
+        seconds = float(value)
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return 0.0
+        if when.tzinfo is None:
+            return 0.0
+        seconds = (when - dt.datetime.now(dt.UTC)).total_seconds()
+    return _bounded(seconds)
+
+
+def _bounded(seconds: Any) -> float:
+    """A wait within 0 and RETRY_AFTER_MAX_SECONDS; 0 for what is not a number (a python
+    probe's mistake must not stop its result being recorded)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds != seconds:
+        return 0.0
+    return min(max(float(seconds), 0.0), RETRY_AFTER_MAX_SECONDS)
 
 
 def python_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
@@ -364,6 +402,4 @@ def run(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult | None
         detail = f"probe returned a reference that is not text of at most {REFERENCE_LENGTH}"
         result = ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     duration = int((time.perf_counter() - started) * 1000)
-    return ProbeResult(
-        result.finding, result.business_reference, result.detail, result.summary, duration
-    )
+    return replace(result, duration_ms=duration, retry_after=_bounded(result.retry_after))

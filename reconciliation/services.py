@@ -208,6 +208,9 @@ def record_probe_result(
             invocation.next_probe_at = None
             return data
         backoff = settings.LEDGER_PROBE_BACKOFF_SECONDS * 2 ** (invocation.probe_tries - 1)
+        if result.retry_after > backoff:
+            backoff = result.retry_after
+            data["retry_after"] = result.retry_after
         invocation.apply_state(policy.release(state))
         invocation.next_probe_at = now + dt.timedelta(seconds=backoff)
         data["next_probe_at"] = invocation.next_probe_at.isoformat()

@@ -5,11 +5,12 @@ created once per key, and can be looked up by key — which is all the ledger's 
 probe needs — at `/refunds` (404 when there is none) or, as a search API answers, at
 `/refunds/search` (200 with a list, empty when there is none). State lives in a
 SQLite file, so several processes and restarts see the same refunds. For fault
-drills the lookup can be switched to answer slowly, with 5xx, with a malformed body,
-with a redirect, a byte at a time (trickle), with two megabytes (huge), with a body
-that never ends (endless), compressed as a web server with compression on would
-(gzip, deflate, deflate_raw), twice over (stacked), or as a few kilobytes of gzip
-that inflate past 64 MiB (gzip_bomb) (`POST /_control`).
+drills the lookup can be switched to answer slowly, with 5xx, with 429 and a
+Retry-After, with a malformed body, with a redirect, a byte at a time (trickle),
+with two megabytes (huge), with a body that never ends (endless), compressed as a
+web server with compression on would (gzip, deflate, deflate_raw), twice over
+(stacked), or as a few kilobytes of gzip that inflate past 64 MiB (gzip_bomb)
+(`POST /_control`).
 
     python manage.py standin_service --port 9100
 """
@@ -38,6 +39,7 @@ LOOKUP_MODES = (
     "normal",
     "slow",
     "5xx",
+    "429",
     "malformed",
     "redirect",
     "trickle",
@@ -48,6 +50,8 @@ LOOKUP_MODES = (
 # A trickled answer's pause between its bytes: each read of the client's waits far less
 # than its read timeout, and the whole answer takes half a minute.
 TRICKLE_SECONDS = 0.2
+# What a 429 asks the prober to wait, in seconds.
+RETRY_AFTER = 30
 # A huge answer: a found refund padded to this many bytes, its length declared.
 HUGE_BYTES = 2 * 1024 * 1024
 # A lookup's answer when no refund has the key; any other path is answered 404 too,
@@ -186,6 +190,9 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
                 time.sleep(slow_seconds)
             if mode == "5xx":
                 self.reply(503, {"error": "unavailable"})
+                return
+            if mode == "429":
+                self.reply(429, {"error": "rate_limited"}, {"Retry-After": str(RETRY_AFTER)})
                 return
             if mode == "malformed":
                 self.reply(200, b"{not json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import email.utils
 import gzip
 import importlib
 import json
@@ -27,7 +28,13 @@ from ledger.models import Capability, Invocation, NamedReference
 from ledger.probe_config import problems
 from ledger.services import LedgerError, flag_missing_evidence
 from reconciliation import probes, services, sweeper
-from reconciliation.standin import HUGE_BYTES, NO_REFUND, StandInService, gzip_bomb_start
+from reconciliation.standin import (
+    HUGE_BYTES,
+    NO_REFUND,
+    RETRY_AFTER,
+    StandInService,
+    gzip_bomb_start,
+)
 from reconciliation.tasks import reconcile_invocation, worker_name
 from tests.conftest import Api, person, wait_for
 from tests.reconciliation.conftest import perform_refund
@@ -131,6 +138,49 @@ def test_unclear_answers_are_inconclusive_back_off_then_escalate(
     invocation = Invocation.objects.get()
     assert (invocation.status, invocation.cause) == ("escalated", "probe_inconclusive")
     assert invocation.resolution == ""  # never a false effect_absent
+
+
+@override_settings(LEDGER_PROBE_MAX_TRIES=3, LEDGER_PROBE_BACKOFF_SECONDS=5)
+def test_a_business_system_asking_to_wait_is_asked_again_no_sooner(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """A 429 with Retry-After: 30 puts the next probe off 30 s, not the backoff's 5 s,
+    so a business system throttling a burst of re-probes does not use up their tries."""
+    flagged(api)
+    standin.refunds.set_mode("429")
+    now = timezone.now()
+    assert services.invocation_claim(invocation_id="inv-1", worker="w", now=now)
+    result = probes.run(refunds.probe, Invocation.objects.get())
+    assert result is not None and result.retry_after == RETRY_AFTER
+    services.record_probe_result(invocation_id="inv-1", worker="w", result=result, now=now)
+    invocation = Invocation.objects.get()
+    assert invocation.next_probe_at == now + dt.timedelta(seconds=RETRY_AFTER)
+    assert invocation.events.get(kind="probe_run").data["retry_after"] == RETRY_AFTER
+
+
+@pytest.mark.parametrize(
+    ("status", "header", "seconds"),
+    [
+        (503, "120", 120.0),
+        (429, "86400", probes.RETRY_AFTER_MAX_SECONDS),  # a day: an hour at most
+        (429, "in a while", 0.0),
+        (429, "Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # a date gone by
+        (404, "30", 0.0),  # only a 429 or a 503 asks to wait
+    ],
+)
+def test_retry_after_is_read_as_seconds_or_a_date_and_bounded(
+    status: int, header: str, seconds: float
+) -> None:
+    response = httpx.Response(status, headers={"Retry-After": header})
+    assert probes.retry_after_of(response) == seconds
+
+
+def test_retry_after_as_a_date_to_come_is_the_seconds_until_it() -> None:
+    when = timezone.now() + dt.timedelta(seconds=90)
+    response = httpx.Response(
+        429, headers={"Retry-After": email.utils.format_datetime(when, usegmt=True)}
+    )
+    assert 80 <= probes.retry_after_of(response) <= 90
 
 
 def test_a_probe_that_times_out_or_cannot_connect_is_inconclusive(
