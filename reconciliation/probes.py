@@ -333,8 +333,8 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
     )
 
 
-# The longest a business system's Retry-After may put the next probe off: the claim's
-# tries still run out, and a person decides, within a day at the defaults.
+# The longest a business system's Retry-After may put the next probe off: its tries
+# still run out (five at the defaults), and a person decides within hours, not days.
 RETRY_AFTER_MAX_SECONDS = 3600.0
 
 
