@@ -276,9 +276,19 @@ def probe_run_row(event: Event) -> dict[str, Any]:
         "finding": data.get("finding") or "no probe: handed to a person",
         "business_reference": data.get("business_reference"),
         "url": request.get("url"),
-        "answer": request.get("status") or data.get("detail"),
+        "answer": _answer(request.get("status"), data.get("detail"), data.get("retry_after")),
         "duration_ms": data.get("duration_ms"),
     }
+
+
+def _answer(status: int | None, detail: str | None, retry_after: float | None) -> str:
+    """The answer's status with why it decided nothing (`no rule matched…`,
+    `misconfigured…`) and the wait it asked for: a bare 404 beside "inconclusive" left
+    the operator to guess."""
+    shown = " — ".join(str(part) for part in (status, detail) if part)
+    if retry_after:
+        shown += f" (asked to wait {retry_after:g} s)"
+    return shown
 
 
 # How many other invocations the page names for one business reference; the audit

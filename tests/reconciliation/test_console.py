@@ -15,7 +15,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.db import connection, transaction
 from django.http import QueryDict
-from django.test import Client
+from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -678,6 +678,20 @@ def test_the_probe_runs_table_shows_what_was_asked_and_answered(
     assert "idempotency_key=refund-SO-1</code>" in row
     assert "<td>200</td>" in row
     assert re.search(r"<td>\d+ ms</td>", row)
+
+
+@override_settings(LEDGER_PROBE_BACKOFF_SECONDS=5)
+def test_the_probe_runs_table_says_why_an_answer_decided_nothing(
+    api: Api, refunds: Capability, standin: StandInService, operator: Client
+) -> None:
+    flag(api)
+    standin.refunds.set_mode("429")
+    reconcile_invocation.run("inv-1")
+
+    row = probe_rows(operator.get("/invocations/inv-1/").content)
+
+    assert "<td>inconclusive</td>" in row
+    assert "<td>429 — no rule matched status 429 (asked to wait 30 s)</td>" in row
 
 
 def test_an_invocation_escalated_for_want_of_a_probe_shows_its_page(
