@@ -27,7 +27,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from ledger import chain, policy
 from ledger.audit import invocations_naming
 from ledger.bundles import archive_name
-from ledger.capabilities import awaiting_its_probe
+from ledger.capabilities import awaiting_its_probe, probes_concluding_nothing
 from ledger.integrity import restore_projection
 from ledger.metrics import (
     background_work,
@@ -599,6 +599,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         .order_by("-n")[:20],
         "probes": probe_runs_per_capability(probe_run_counts(hour_ago))[:PROBED_CAPABILITIES_SHOWN],
         "reopened_claims": reopened_claim_counts(hour_ago),
+        "probes_concluding_nothing": probes_concluding_nothing(),
         "shared_references": Event.objects.filter(
             NAMES_A_SHARED_REFERENCE, created_at__gte=hour_ago
         ).count(),

@@ -316,10 +316,16 @@ def test_a_404_that_is_not_the_business_systems_no_such_refund_is_not_absent(
     probe_run = invocation.events.get(kind="probe_run").data
     assert probe_run["finding"] == "inconclusive"
     assert probe_run["detail"].startswith("misconfigured: absent: needs 'json_path' and 'equals'")
-    its_page = person("cora", "compliance").get("/audit/capabilities/refund.create/")
+    compliance = person("cora", "compliance")
+    its_page = compliance.get("/audit/capabilities/refund.create/").content.decode()
     assert (
         '<ul class="errorlist" id="probe-problems"><li>absent: needs &#x27;json_path&#x27; and'
-    ) in its_page.content.decode()
+    ) in its_page
+    dashboard = compliance.get("/dashboard/").content.decode()
+    assert (
+        'so that a person decides each of their invocations: <a href="/audit/capabilities/'
+        'refund.create/">refund.create</a> (absent).</p>'
+    ) in dashboard
 
 
 def test_a_200_that_is_not_the_refund_is_not_present(
