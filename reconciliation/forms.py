@@ -5,8 +5,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from django import forms
+from django.core.validators import RegexValidator
 
 from ledger import policy
+from ledger.api.inputs import PRINTABLE_REGEX
 from ledger.models import MAX_RISK_RANK, Capability
 
 TEN_YEARS_IN_MINUTES = 10 * 366 * 24 * 60
@@ -129,3 +131,14 @@ class RestoreForm(forms.Form):
     differs when it runs, each field recorded in its event with what was found."""
 
     reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 2}), max_length=4000)
+
+
+class ProbeTryForm(forms.Form):
+    """A key to ask a capability's http probe about, recording nothing: an administrator
+    checks a probe against a refund they know of (and one they know is missing)."""
+
+    idempotency_key = forms.CharField(
+        max_length=256,
+        validators=[RegexValidator(PRINTABLE_REGEX, "No control characters.")],
+        help_text="The key a runtime sent with an intent of this capability.",
+    )

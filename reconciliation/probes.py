@@ -87,6 +87,8 @@ def _fill(template: str, invocation: Invocation) -> str:
 
 
 def _last_reference(invocation: Invocation) -> str:
+    if invocation.pk is None:  # a key tried from the console: no evidence of its own
+        return ""
     outcome = (
         invocation.attempts.exclude(outcome__business_reference="")
         .order_by("-number")

@@ -27,6 +27,7 @@ urlpatterns = [
     path("queue/counts", views.queue_counts, name="queue-counts"),
     path("queue/probes", views.rerun_probes, name="queue-probes"),
     path("dashboard/", views.dashboard, name="dashboard"),
+    path("audit/capabilities/<str:scope>/probe-try", views.probe_try, name="probe-try"),
     path("invocations/<stored_id:invocation_id>/", views.invocation_page, name="invocation"),
     path(
         "invocations/<stored_id:invocation_id>/bundle.zip",

@@ -57,9 +57,10 @@ from ledger.services import (
 )
 from ledger.templatetags.console import as_json
 from ledger.views import bundle_download
-from reconciliation import services
+from reconciliation import probes, services
 from reconciliation.forms import (
     DecisionForm,
+    ProbeTryForm,
     QueueFilterForm,
     QueuePosition,
     ResolveForm,
@@ -607,3 +608,28 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "unpartitioned_counted": UNPARTITIONED_COUNTED,
     }
     return render(request, "reconciliation/dashboard.html", context)
+
+
+@require_POST
+@role_required(*ACTORS)
+def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
+    """Ask a capability's http probe about a key, as a reconciliation would, and show
+    what its rules conclude; nothing is recorded. An administrator who has just
+    written a probe sees at once whether it finds a refund they know of, and whether a
+    mistyped URL's 404 would have passed for "absent"."""
+    capability = get_object_or_404(Capability, scope=scope)
+    form = ProbeTryForm(request.POST)
+    tried: probes.ProbeResult | None = None
+    problem = ""
+    if capability.probe.get("kind") != "http":
+        problem = "Only an http probe can be tried here: it is asked by key alone."
+    elif form.is_valid():
+        key = form.cleaned_data["idempotency_key"]
+        untold = Invocation(capability_scope=scope, idempotency_key=key)
+        try:
+            tried = probes.run(capability.probe, untold)
+        except probes.ProbeConfigError as exc:
+            problem = f"The probe is misconfigured: {exc}"
+        log.info("probe tried capability=%s by=%s", scope, actor(request))
+    context = {"capability": capability, "form": form, "tried": tried, "problem": problem}
+    return render(request, fragment(request, "reconciliation/probe_try.html", "result"), context)

@@ -384,3 +384,22 @@ def test_screenshots_of_the_console(
         page.goto(f"{live_server.url}{path}")
         page.screenshot(path=str(folder / name), full_page=True)
         assert (folder / name).stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("javascript", [True, False], ids=["js", "no-js"])
+def test_an_operator_asks_a_probe_about_a_key_from_the_capability_page(
+    browser: Browser, live_server: Any, refunds: Capability, javascript: bool
+) -> None:
+    user("olga", "operator")
+    page = log_in(browser, live_server.url, "olga", javascript)
+    page.goto(f"{live_server.url}/audit/capabilities/refund.create/")
+    if javascript:
+        page.evaluate("window.sameDocument = true")
+    page.fill("#id_idempotency_key", "k-never-refunded")
+    page.click("form.probe-try button[type=submit]")
+    result = page.locator("#probe-try-result")
+    expect(result).to_contain_text("effect_absent")
+    expect(result).to_contain_text("refunds?idempotency_key=k-never-refunded")
+    assert page.evaluate("window.sameDocument === true") is javascript
+    if javascript:  # axe runs as the page's script
+        assert accessibility_problems(page) == []

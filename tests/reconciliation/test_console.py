@@ -1426,3 +1426,49 @@ def test_a_rerun_goes_a_batch_at_a_time_each_run_queuing_the_next(
     assert request_probes.run("refund.create", "user:olga", after=b) == 0  # petra's inv-c
     assert broker_queue.jobs() == 4
     assert probe_requests("inv-b") == [("user:olga", "refund.create")]
+
+
+def test_an_operator_asks_a_capabilitys_probe_about_a_key_and_nothing_is_recorded(
+    api: Api, refunds: Capability, standin: StandInService, operator: Client, compliance: Client
+) -> None:
+    """Before a probe settles real invocations, whoever wrote it asks it about a refund
+    they know of and a key that has none, and reads what its rules conclude."""
+    refund = perform_refund(standin, "k-known").json()
+    flag(api)  # one invocation on the record, which the tries must leave alone
+    events = Event.objects.count()
+    its_page = operator.get("/audit/capabilities/refund.create/").content.decode()
+    assert 'action="/audit/capabilities/refund.create/probe-try"' in its_page
+    assert "probe-try" not in compliance.get("/audit/capabilities/refund.create/").content.decode()
+
+    known = operator.post(
+        "/audit/capabilities/refund.create/probe-try",
+        {"idempotency_key": "k-known"},
+        headers={"HX-Request": "true"},
+    ).content.decode()
+    unknown = operator.post(
+        "/audit/capabilities/refund.create/probe-try", {"idempotency_key": "k-never"}
+    ).content.decode()
+
+    assert known.lstrip().startswith('<div id="probe-try-result"')  # the partial, for htmx
+    assert f"<strong>effect_present</strong>, business reference {refund['id']}" in known
+    assert "refunds?idempotency_key=k-known</code>" in known
+    assert "<h1>Try the probe of refund.create</h1>" in unknown  # the page, without htmx
+    assert "<dd>404</dd>" in unknown and "<strong>effect_absent</strong>" in unknown
+    assert Event.objects.count() == events
+    assert status_of("inv-1") == "reconciliation_required"
+    refused = compliance.post(
+        "/audit/capabilities/refund.create/probe-try", {"idempotency_key": "k-known"}
+    )
+    assert refused.status_code == 403
+
+
+def test_trying_a_probe_names_what_cannot_be_tried(
+    api: Api, refunds: Capability, operator: Client
+) -> None:
+    url = "/audit/capabilities/refund.create/probe-try"
+    bad_key = operator.post(url, {"idempotency_key": "k\x07"}).content.decode()
+    assert "<li>idempotency key: No control characters.</li>" in bad_key
+    Capability.objects.filter(pk=refunds.pk).update(probe={"kind": "none"})
+    assert "probe-try" not in operator.get("/audit/capabilities/refund.create/").content.decode()
+    no_http = operator.post(url, {"idempotency_key": "k-1"}).content.decode()
+    assert "Only an http probe can be tried here" in no_http
