@@ -610,9 +610,11 @@ class Command(BaseCommand):
     @staticmethod
     def rate_watch(bench_db: str) -> dict[str, Any]:
         """Every event the API wrote in this run sealed, then read by a rate watch that
-        started before the first: what a watch costs per admission. The limit, 10,000 a
-        second, is one the API does not reach, so that the figure is the reading and
-        judging alone (flagging is the sweep's kind of write, measured apart)."""
+        started before the first: what a watch costs per admission. The limit, a million
+        a second, is one the API does not reach, so that the figure is the reading and
+        judging alone (flagging is the sweep's kind of write, measured apart): at 10,000,
+        a batch from 2 clients at 10,275 items a second went past it, and 77,000
+        breaches flagged made the figure a tenth of its worth."""
         from django.db import connection, connections
 
         from ledger import rate_limits
@@ -628,7 +630,7 @@ class Command(BaseCommand):
         seal_seconds = time.perf_counter() - started
         # A scratch database: the declaration is set by hand, not through the registry,
         # and the watch by hand, as if it had been declared before the first event.
-        declared = {"count": 10_000, "window": "1s"}
+        declared = {"count": 1_000_000, "window": "1s"}
         Capability.objects.filter(scope="refund.create").update(
             declaration={"execution": {"rate_limit": declared}}
         )
@@ -879,6 +881,11 @@ class Command(BaseCommand):
             f"{watch['watch_seconds']} s ({watch['admissions_per_second']}/s, {watch['runs']} "
             f"runs); sealing the API's {watch['sealed_events']} events took "
             f"{watch['seal_seconds']} s ({watch['sealed_per_second']}/s)"
+            + (
+                f"; {watch['breaches']} breaches flagged, so the figure counts flagging too"
+                if watch["breaches"]
+                else ""
+            )
         )
         references = results["reference_watch"]
         out(
