@@ -354,6 +354,9 @@ LEDGER_PROBE_BACKOFF_SECONDS = env_int("LEDGER_PROBE_BACKOFF_SECONDS", 5)
 # CA certificates (PEM) an https probe trusts besides certifi's bundle: the company's
 # own CA, for business systems whose certificates it signs.
 LEDGER_PROBE_CA_FILE = os.environ.get("LEDGER_PROBE_CA_FILE", "")
+# A PEM file of the certificate (and its key) probes show business systems that ask
+# for one: mutual TLS.
+LEDGER_PROBE_CLIENT_CERT = os.environ.get("LEDGER_PROBE_CLIENT_CERT", "")
 LEDGER_PROBE_SECRETS = {
     name.removeprefix("LEDGER_PROBE_SECRET_"): value
     for name, value in os.environ.items()

@@ -168,29 +168,37 @@ def _http_client() -> httpx.Client:
     change what the next one asks.
     """
     client: httpx.Client | None = getattr(_local, "client", None)
-    built_for = (os.getpid(), settings.LEDGER_PROBE_CA_FILE)
+    built_for = (os.getpid(), settings.LEDGER_PROBE_CA_FILE, settings.LEDGER_PROBE_CLIENT_CERT)
     if client is None or _local.built_for != built_for:
         no_cookies = http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
         client = httpx.Client(
             follow_redirects=False,
             cookies=http.cookiejar.CookieJar(policy=no_cookies),
-            verify=_tls_context(settings.LEDGER_PROBE_CA_FILE),
+            verify=_tls_context(*built_for[1:]),
         )
         _local.client, _local.built_for = client, built_for
     return client
 
 
-def _tls_context(ca_file: str) -> ssl.SSLContext | bool:
+def _tls_context(ca_file: str, client_cert: str) -> ssl.SSLContext | bool:
     """What an https probe trusts: what httpx trusts (certifi's bundle, or the file
     SSL_CERT_FILE names), and the CA certificates in LEDGER_PROBE_CA_FILE (a company's
-    own CA, which signs its business systems' certificates) when it names one."""
-    if not ca_file:
+    own CA, which signs its business systems' certificates) when it names one. With
+    LEDGER_PROBE_CLIENT_CERT (a PEM file of a certificate and its key) a probe shows
+    that certificate to business systems that ask for one (mutual TLS)."""
+    if not ca_file and not client_cert:
         return True
     context = httpx.create_ssl_context()
-    try:
-        context.load_verify_locations(cafile=ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ProbeConfigError(f"LEDGER_PROBE_CA_FILE {ca_file!r}: {exc}") from exc
+    for setting, path, load in (
+        ("LEDGER_PROBE_CA_FILE", ca_file, context.load_verify_locations),
+        ("LEDGER_PROBE_CLIENT_CERT", client_cert, context.load_cert_chain),
+    ):
+        if not path:
+            continue
+        try:
+            load(path)
+        except (OSError, ssl.SSLError) as exc:
+            raise ProbeConfigError(f"{setting} {path!r}: {exc}") from exc
     return context
 
 

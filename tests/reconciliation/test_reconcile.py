@@ -405,6 +405,43 @@ def test_an_https_probe_trusts_the_companys_own_ca_when_named(
     assert trusted.finding is probes.Finding.ABSENT  # asked over TLS, and answered
 
 
+def test_an_https_probe_shows_its_certificate_to_a_business_system_that_asks(
+    api: Api, refunds: Capability, tmp_path: Path
+) -> None:
+    """Mutual TLS: the business system lets in only a client whose certificate the
+    company's CA signed. Without LEDGER_PROBE_CLIENT_CERT the probe is turned away
+    (inconclusive, never "absent"); with it, it is answered."""
+    ca = trustme.CA()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(tls)
+    ca.configure_trust(tls)
+    tls.verify_mode = ssl.CERT_REQUIRED
+    ca.cert_pem.write_to_path(str(tmp_path / "company-ca.pem"))
+    ca.issue_cert("ledger-probes").private_key_and_cert_chain_pem.write_to_path(
+        str(tmp_path / "probes.pem")
+    )
+    payments = StandInService(tmp_path / "payments.sqlite3", tls=tls).start()
+    trusting = override_settings(LEDGER_PROBE_CA_FILE=str(tmp_path / "company-ca.pem"))
+    try:
+        invocation = flagged(api)
+        url = f"{payments.url}/refunds?idempotency_key={{idempotency_key}}"
+        config = {**refunds.probe, "url": url}
+        with trusting:
+            turned_away = probes.run(config, invocation)
+            with override_settings(LEDGER_PROBE_CLIENT_CERT=str(tmp_path / "probes.pem")):
+                let_in = probes.run(config, invocation)
+            with (
+                override_settings(LEDGER_PROBE_CLIENT_CERT=str(tmp_path / "company-ca.pem")),
+                pytest.raises(probes.ProbeConfigError, match="LEDGER_PROBE_CLIENT_CERT"),
+            ):
+                probes.run(config, invocation)  # a certificate without its key
+    finally:
+        payments.stop()
+    assert turned_away is not None and let_in is not None
+    assert turned_away.finding is probes.Finding.INCONCLUSIVE
+    assert let_in.finding is probes.Finding.ABSENT
+
+
 def test_probe_secrets_fill_headers_and_are_never_recorded(
     api: Api, refunds: Capability, standin: StandInService
 ) -> None:
