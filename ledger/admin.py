@@ -79,6 +79,17 @@ class CapabilityAdmin(admin.ModelAdmin):
             **{name: form.cleaned_data[name] for name in SETTINGS},
         )
         obj.refresh_from_db()
+        if "probe" in form.changed_data and obj.probe.get("kind") == "http":
+            self.message_user(
+                request,
+                format_html(
+                    "Before its probe settles invocations, ask it about a key you know: on "
+                    '<a href="{}">the page of {}</a>.',
+                    reverse("capability", args=[obj.scope]),
+                    obj.scope,
+                ),
+                messages.INFO,
+            )
         if obj.has_probe and (waiting := awaiting_its_probe(obj)):
             queue = f"{reverse('console:queue')}?{urlencode({'capability': obj.scope})}"
             self.message_user(

@@ -163,3 +163,7 @@ def test_the_admin_points_at_the_escalations_a_new_probe_could_settle(
         "1 escalated invocation of refund.create that nobody is on could be settled by its "
         'probe now: <a href="/?capability=refund.create">re-run their probes from the queue</a>'
     ) in response.content.decode()
+    assert (
+        "Before its probe settles invocations, ask it about a key you know: on "
+        '<a href="/audit/capabilities/refund.create/">the page of refund.create</a>.'
+    ) in response.content.decode()
