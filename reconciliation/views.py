@@ -614,8 +614,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 @role_required(*ACTORS)
 def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
     """Ask a capability's http probe about a key, as a reconciliation would, and show
-    what its rules conclude; nothing is recorded. An administrator who has just
-    written a probe sees at once whether it finds a refund they know of, and whether a
+    what its rules conclude; nothing is recorded. Whoever has just written a probe
+    sees at once whether it finds a refund they know of, and whether a
     mistyped URL's 404 would have passed for "absent"."""
     capability = get_object_or_404(Capability, scope=scope)
     form = ProbeTryForm(request.POST)
@@ -625,11 +625,17 @@ def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
         problem = "Only an http probe can be tried here: it is asked by key alone."
     elif form.is_valid():
         key = form.cleaned_data["idempotency_key"]
-        untold = Invocation(capability_scope=scope, idempotency_key=key)
+        unrecorded = Invocation(capability_scope=scope, idempotency_key=key)
         try:
-            tried = probes.run(capability.probe, untold)
+            tried = probes.run(capability.probe, unrecorded)
         except probes.ProbeConfigError as exc:
             problem = f"The probe is misconfigured: {exc}"
         log.info("probe tried capability=%s by=%s", scope, actor(request))
-    context = {"capability": capability, "form": form, "tried": tried, "problem": problem}
+    context = {
+        "capability": capability,
+        "form": form,
+        "tried": tried,
+        "answer": tried and _answer(tried.summary.get("status"), tried.detail, tried.retry_after),
+        "problem": problem,
+    }
     return render(request, fragment(request, "reconciliation/probe_try.html", "result"), context)
