@@ -73,17 +73,23 @@ class ProbeConfigError(ValueError):
 SECRET = re.compile(r"\{secret:([A-Za-z0-9_]+)\}")
 
 
+class NothingToAskBy(Exception):
+    """The URL names a value the invocation does not have (no business reference was
+    recorded): asking by an empty one would ask about nothing in particular."""
+
+
 def _fill(template: str, invocation: Invocation) -> str:
-    values = {
-        "idempotency_key": invocation.idempotency_key,
-        "invocation_id": invocation.invocation_id,
-        "business_reference": _last_reference(invocation),
-    }
-    return re.sub(
-        r"\{(idempotency_key|invocation_id|business_reference)\}",
-        lambda m: quote(values[m.group(1)], safe=""),
-        template,
-    )
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name == "business_reference":  # read only for a URL that names it
+            found = _last_reference(invocation)
+        else:
+            found = getattr(invocation, name)
+        if not found:
+            raise NothingToAskBy(f"no {name} recorded to ask by")
+        return quote(found, safe="")
+
+    return re.sub(r"\{(idempotency_key|invocation_id|business_reference)\}", value, template)
 
 
 def _last_reference(invocation: Invocation) -> str:
@@ -290,7 +296,10 @@ def longest_run(config: Mapping[str, Any]) -> float:
 
 
 def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
-    url = _fill(config["url"], invocation)
+    try:
+        url = _fill(config["url"], invocation)
+    except NothingToAskBy as exc:
+        return ProbeResult(Finding.INCONCLUSIVE, detail=str(exc), summary={"method": "GET"})
     if urlsplit(url).scheme not in ("http", "https"):
         raise ProbeConfigError("an http probe needs an http(s) URL")
     summary: dict[str, Any] = {"method": "GET", "url": url}

@@ -442,6 +442,30 @@ def test_an_https_probe_shows_its_certificate_to_a_business_system_that_asks(
     assert let_in.finding is probes.Finding.ABSENT
 
 
+def test_a_probe_by_business_reference_asks_nothing_of_an_invocation_without_one(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """Its URL filled with an empty reference would ask about nothing in particular
+    (`/refunds?idempotency_key=`), and a 404 for that is no answer about this refund."""
+    invocation = flagged(api)
+    by_reference = f"{standin.url}/refunds?idempotency_key={{business_reference}}"
+    result = probes.run({**refunds.probe, "url": by_reference}, invocation)
+    assert result is not None
+    assert (result.finding, result.detail) == (
+        probes.Finding.INCONCLUSIVE,
+        "no business_reference recorded to ask by",
+    )
+    assert standin.refunds.lookups_started == 0
+    # Once the runtime reported one (its outcome lost the rest), the probe asks by it.
+    api.intent(invocation_id="inv-2", idempotency_key="refund-SO-2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="post_dispatch_evidence_failed", business_reference="RF-2")
+    perform_refund(standin, "RF-2")  # the stand-in finds refunds by the key it is given
+    named = Invocation.objects.get(invocation_id="inv-2")
+    result = probes.run({**refunds.probe, "url": by_reference}, named)
+    assert result is not None and result.finding is probes.Finding.PRESENT
+    assert result.summary["url"].endswith("?idempotency_key=RF-2")
+
+
 def test_probe_secrets_fill_headers_and_are_never_recorded(
     api: Api, refunds: Capability, standin: StandInService
 ) -> None:
