@@ -11,6 +11,7 @@ import ssl
 import threading
 import time
 import tracemalloc
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -374,24 +375,45 @@ def test_a_search_answering_200_either_way_is_read_by_its_paths(
     ]
 
 
-def test_an_https_probe_trusts_the_companys_own_ca_when_named(
-    api: Api, refunds: Capability, tmp_path: Path
-) -> None:
-    """A business system whose certificate the company's own CA signed: unverified (and
-    so inconclusive) until LEDGER_PROBE_CA_FILE names that CA, then read; a CA file
-    that cannot be read is a misconfiguration, named."""
+@dataclass
+class CompanyCA:
+    """A company's own CA (trustme's), its certificate in `ca_file`, and the payments
+    stand-in served over https with a certificate it signed."""
+
+    ca: trustme.CA
+    ca_file: str
+    tls: ssl.SSLContext
+
+    def payments(self, tmp_path: Path) -> StandInService:
+        return StandInService(tmp_path / "payments.sqlite3", tls=self.tls).start()
+
+
+@pytest.fixture
+def company_ca(tmp_path: Path) -> CompanyCA:
     ca = trustme.CA()
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(tls)
     ca.cert_pem.write_to_path(str(tmp_path / "company-ca.pem"))
-    payments = StandInService(tmp_path / "payments.sqlite3", tls=tls).start()
+    return CompanyCA(ca, str(tmp_path / "company-ca.pem"), tls)
+
+
+def asked_at(payments: StandInService, refunds: Capability) -> dict[str, Any]:
+    return {**refunds.probe, "url": f"{payments.url}/refunds?idempotency_key={{idempotency_key}}"}
+
+
+def test_an_https_probe_trusts_the_companys_own_ca_when_named(
+    api: Api, refunds: Capability, tmp_path: Path, company_ca: CompanyCA
+) -> None:
+    """A business system whose certificate the company's own CA signed: unverified (and
+    so inconclusive) until LEDGER_PROBE_CA_FILE names that CA, then read; a CA file
+    that cannot be read is a misconfiguration, named."""
+    payments = company_ca.payments(tmp_path)
     try:
         invocation = flagged(api)
-        url = f"{payments.url}/refunds?idempotency_key={{idempotency_key}}"
-        config = {**refunds.probe, "url": url}
+        config = asked_at(payments, refunds)
         assert config["url"].startswith("https://127.0.0.1:")
         unverified = probes.run(config, invocation)
-        with override_settings(LEDGER_PROBE_CA_FILE=str(tmp_path / "company-ca.pem")):
+        with override_settings(LEDGER_PROBE_CA_FILE=company_ca.ca_file):
             trusted = probes.run(config, invocation)
         with (
             override_settings(LEDGER_PROBE_CA_FILE=str(tmp_path / "missing.pem")),
@@ -406,32 +428,27 @@ def test_an_https_probe_trusts_the_companys_own_ca_when_named(
 
 
 def test_an_https_probe_shows_its_certificate_to_a_business_system_that_asks(
-    api: Api, refunds: Capability, tmp_path: Path
+    api: Api, refunds: Capability, tmp_path: Path, company_ca: CompanyCA
 ) -> None:
     """Mutual TLS: the business system lets in only a client whose certificate the
     company's CA signed. Without LEDGER_PROBE_CLIENT_CERT the probe is turned away
     (inconclusive, never "absent"); with it, it is answered."""
-    ca = trustme.CA()
-    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(tls)
-    ca.configure_trust(tls)
-    tls.verify_mode = ssl.CERT_REQUIRED
-    ca.cert_pem.write_to_path(str(tmp_path / "company-ca.pem"))
-    ca.issue_cert("ledger-probes").private_key_and_cert_chain_pem.write_to_path(
-        str(tmp_path / "probes.pem")
+    company_ca.ca.configure_trust(company_ca.tls)
+    company_ca.tls.verify_mode = ssl.CERT_REQUIRED
+    client_cert = str(tmp_path / "probes.pem")
+    company_ca.ca.issue_cert("ledger-probes").private_key_and_cert_chain_pem.write_to_path(
+        client_cert
     )
-    payments = StandInService(tmp_path / "payments.sqlite3", tls=tls).start()
-    trusting = override_settings(LEDGER_PROBE_CA_FILE=str(tmp_path / "company-ca.pem"))
+    payments = company_ca.payments(tmp_path)
     try:
         invocation = flagged(api)
-        url = f"{payments.url}/refunds?idempotency_key={{idempotency_key}}"
-        config = {**refunds.probe, "url": url}
-        with trusting:
+        config = asked_at(payments, refunds)
+        with override_settings(LEDGER_PROBE_CA_FILE=company_ca.ca_file):
             turned_away = probes.run(config, invocation)
-            with override_settings(LEDGER_PROBE_CLIENT_CERT=str(tmp_path / "probes.pem")):
+            with override_settings(LEDGER_PROBE_CLIENT_CERT=client_cert):
                 let_in = probes.run(config, invocation)
             with (
-                override_settings(LEDGER_PROBE_CLIENT_CERT=str(tmp_path / "company-ca.pem")),
+                override_settings(LEDGER_PROBE_CLIENT_CERT=company_ca.ca_file),
                 pytest.raises(probes.ProbeConfigError, match="LEDGER_PROBE_CLIENT_CERT"),
             ):
                 probes.run(config, invocation)  # a certificate without its key
