@@ -630,7 +630,10 @@ def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
             tried = probes.run(capability.probe, unrecorded)
         except probes.ProbeConfigError as exc:
             problem = f"The probe is misconfigured: {exc}"
-        log.info("probe tried capability=%s by=%s", scope, actor(request))
+        log.info(
+            "probe tried capability=%s key=%r by=%s finding=%s",
+            scope, key, actor(request), tried.finding if tried else "misconfigured",
+        )  # fmt: skip
     context = {
         "capability": capability,
         "form": form,

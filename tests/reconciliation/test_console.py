@@ -1429,7 +1429,12 @@ def test_a_rerun_goes_a_batch_at_a_time_each_run_queuing_the_next(
 
 
 def test_an_operator_asks_a_capabilitys_probe_about_a_key_and_nothing_is_recorded(
-    api: Api, refunds: Capability, standin: StandInService, operator: Client, compliance: Client
+    api: Api,
+    refunds: Capability,
+    standin: StandInService,
+    operator: Client,
+    compliance: Client,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Before a probe settles real invocations, whoever wrote it asks it about a refund
     they know of and a key that has none, and reads what its rules conclude."""
@@ -1456,6 +1461,11 @@ def test_an_operator_asks_a_capabilitys_probe_about_a_key_and_nothing_is_recorde
     assert "<dd>404</dd>" in unknown and "<strong>effect_absent</strong>" in unknown
     assert Event.objects.count() == events
     assert status_of("inv-1") == "reconciliation_required"
+    # Who asked the business system about which key is in the log, not on the record.
+    assert (
+        "probe tried capability=refund.create key='k-known' by=user:olga finding=effect_present"
+        in (caplog.text)
+    )
     refused = compliance.post(
         "/audit/capabilities/refund.create/probe-try", {"idempotency_key": "k-known"}
     )
