@@ -217,6 +217,7 @@ class UnreadAnswer(Exception):
     """An answer too long, or too slow to finish, to be read."""
 
 
+USER_AGENT = "invocation-ledger-probe (read-only)"
 # The encodings a probe asks for and undoes itself, with their zlib window bits.
 ACCEPT_ENCODING = "gzip, deflate"
 ZLIB_WINDOWS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -306,8 +307,15 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
     connect, read = _timeouts(config)
     timeout = httpx.Timeout(connect=connect, read=read, write=SEND_SECONDS, pool=SEND_SECONDS)
     # Rules read JSON: a business system that answers by the Accept header (HTML to a
-    # browser's) is asked for it. The probe's own headers replace these, in any case.
-    headers = httpx.Headers({"Accept": "application/json", "Accept-Encoding": ACCEPT_ENCODING})
+    # browser's) is asked for it. Its people find the ledger's questions in their logs
+    # by the User-Agent. The probe's own headers replace these, in any case.
+    headers = httpx.Headers(
+        {
+            "Accept": "application/json",
+            "Accept-Encoding": ACCEPT_ENCODING,
+            "User-Agent": USER_AGENT,
+        }
+    )
     headers.update(_secret_headers(config.get("headers", {})))
     deadline = time.monotonic() + connect + read
     try:

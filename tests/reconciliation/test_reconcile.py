@@ -497,16 +497,21 @@ def test_probe_secrets_fill_headers_and_are_never_recorded(
 
 
 def test_a_probe_asks_for_json_in_an_encoding_it_reads(api: Api, refunds: Capability) -> None:
-    """Its rules read JSON, and a business system may answer by the Accept header. A
-    header configured for the probe takes the place of the probe's own."""
-    asked: list[tuple[str | None, str | None]] = []
+    """Its rules read JSON, and a business system may answer by the Accept header; its
+    people know the ledger's questions by their User-Agent. A header configured for the
+    probe takes the place of the probe's own."""
+    asked: list[tuple[str | None, ...]] = []
 
     class RecordsHeaders(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
         def do_GET(self) -> None:
-            asked.append((self.headers.get("Accept"), self.headers.get("Accept-Encoding")))
+            asked.append(
+                tuple(
+                    self.headers.get(name) for name in ("Accept", "Accept-Encoding", "User-Agent")
+                )
+            )
             self.send_response(404)
             self.send_header("Content-Length", "0")
             self.end_headers()
@@ -522,8 +527,8 @@ def test_a_probe_asks_for_json_in_an_encoding_it_reads(api: Api, refunds: Capabi
         server.shutdown()
         server.server_close()
     assert asked == [
-        ("application/json", "gzip, deflate"),
-        ("application/vnd.pay+json", "gzip, deflate"),
+        ("application/json", "gzip, deflate", "invocation-ledger-probe (read-only)"),
+        ("application/vnd.pay+json", "gzip, deflate", "invocation-ledger-probe (read-only)"),
     ]
 
 
