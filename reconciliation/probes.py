@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime as dt
 import email.utils
+import hashlib
 import http.cookiejar
 import importlib
 import os
@@ -332,6 +333,9 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
         if name.lower() not in ("content-encoding", "content-length")
     ]
     response = httpx.Response(streamed.status_code, headers=decoded_headers, content=body)
+    # Which answer the finding rests on, without keeping it (it may name a customer):
+    # the business system's logs or exports can be matched against its digest.
+    summary["answer"] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
     if response.is_redirect:
         location = response.headers.get("location", "")
         return ProbeResult(
@@ -347,6 +351,8 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
                 return ProbeResult(Finding.INCONCLUSIVE, detail=detail, summary=summary)
             reference_path = rule.get("reference_path")
             reference = _reference(response, reference_path) if reference_path else ""
+            # The rule as it decided: the capability's probe may be changed later.
+            summary["rule"] = {"name": name, **rule}
             return ProbeResult(finding, business_reference=reference, summary=summary)
     except (ValueError, KeyError) as exc:
         return ProbeResult(

@@ -8,6 +8,7 @@ JavaScript). Permissions are checked here, never only in templates.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from typing import Any
 from urllib.parse import urlencode
@@ -277,19 +278,32 @@ def probe_run_row(event: Event) -> dict[str, Any]:
         "finding": data.get("finding") or "no probe: handed to a person",
         "business_reference": data.get("business_reference"),
         "url": request.get("url"),
-        "answer": _answer(request.get("status"), data.get("detail"), data.get("retry_after")),
+        "answer": _answer(request, data.get("detail"), data.get("retry_after")),
         "duration_ms": data.get("duration_ms"),
     }
 
 
-def _answer(status: int | None, detail: str | None, retry_after: float | None) -> str:
-    """The answer's status with why it decided nothing (`no rule matched…`,
-    `misconfigured…`) and the wait it asked for: a bare 404 beside "inconclusive" left
-    the operator to guess."""
-    shown = " — ".join(str(part) for part in (status, detail) if part)
+def _answer(asked: dict[str, Any], detail: str | None, retry_after: float | None) -> str:
+    """The answer's status with the rule that decided it, or why none did (`no rule
+    matched…`, `misconfigured…`), and the wait it asked for: a bare 404 beside
+    "inconclusive" left the operator to guess."""
+    shown = " — ".join(str(part) for part in (asked.get("status"), detail) if part)
+    if rule := asked.get("rule"):
+        shown += f" — {_rule_text(rule)}"
     if retry_after:
         shown += f" (asked to wait {retry_after:g} s)"
     return shown
+
+
+def _rule_text(rule: dict[str, Any]) -> str:
+    """`absent rule: error = "refund_not_found"`, as a person reads a rule."""
+    if "json_path" in rule and "equals" in rule:
+        says = f"{rule['json_path']} = {json.dumps(rule['equals'])}"
+    elif "json_path" in rule:
+        says = f"{rule['json_path']} in the answer"
+    else:
+        says = f"a reference at {rule.get('reference_path')}"
+    return f"{rule['name']} rule: {says}"
 
 
 # How many other invocations the page names for one business reference; the audit
@@ -638,7 +652,7 @@ def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
         "capability": capability,
         "form": form,
         "tried": tried,
-        "answer": tried and _answer(tried.summary.get("status"), tried.detail, tried.retry_after),
+        "answer": tried and _answer(tried.summary, tried.detail, tried.retry_after),
         "problem": problem,
     }
     return render(request, fragment(request, "reconciliation/probe_try.html", "result"), context)

@@ -676,7 +676,7 @@ def test_the_probe_runs_table_shows_what_was_asked_and_answered(
     assert "<td>effect_present</td>" in row
     assert f"<td>{refund['id']}</td>" in row
     assert "idempotency_key=refund-SO-1</code>" in row
-    assert "<td>200</td>" in row
+    assert "<td>200 — present rule: status = &quot;succeeded&quot;</td>" in row
     assert re.search(r"<td>\d+ ms</td>", row)
 
 
@@ -1458,7 +1458,8 @@ def test_an_operator_asks_a_capabilitys_probe_about_a_key_and_nothing_is_recorde
     assert f"<strong>effect_present</strong>, business reference {refund['id']}" in known
     assert "refunds?idempotency_key=k-known</code>" in known
     assert "<h1>Try the probe of refund.create</h1>" in unknown  # the page, without htmx
-    assert "<dd>404</dd>" in unknown and "<strong>effect_absent</strong>" in unknown
+    assert "<strong>effect_absent</strong>" in unknown
+    assert "<dd>404 — absent rule: error = &quot;refund_not_found&quot;</dd>" in unknown
     assert Event.objects.count() == events
     assert status_of("inv-1") == "reconciliation_required"
     # Who asked the business system about which key is in the log, not on the record.

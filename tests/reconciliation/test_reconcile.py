@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import email.utils
 import gzip
+import hashlib
 import importlib
 import json
 import ssl
@@ -68,6 +69,13 @@ def test_a_refund_that_happened_is_found_and_the_invocation_succeeds(
         refund["id"],
     )
     assert probe_run["request"]["url"].endswith("idempotency_key=refund-SO-1")
+    # The rule as it decided, and the answer it read by its digest (the body not kept).
+    assert probe_run["request"]["rule"] == {"name": "present", **refunds.probe["present"]}
+    answer = httpx.get(f"{standin.url}/refunds", params={"idempotency_key": "refund-SO-1"})
+    assert probe_run["request"]["answer"] == {
+        "bytes": len(answer.content),
+        "sha256": hashlib.sha256(answer.content).hexdigest(),
+    }
     assert standin.refunds.count() == 1
 
 
