@@ -673,6 +673,31 @@ def finds_an_object(invocation: Invocation) -> probes.ProbeResult:
     return probes.ProbeResult(probes.Finding.PRESENT, business_reference={"id": 7})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("asked", "waited"),
+    [(45, 45.0), (7200.5, probes.RETRY_AFTER_MAX_SECONDS), ("soon", 0.0), (float("nan"), 0.0)],
+)
+def test_a_python_probes_wait_is_bounded_and_a_wrong_one_ignored(
+    api: Api, refunds: Capability, settings: Any, asked: Any, waited: float
+) -> None:
+    """A python probe may ask for a wait as an http answer's Retry-After does; one that
+    is not a number must not stop its result being recorded."""
+    flagged(api)
+    config = {"kind": "python", "callable": f"{__name__}.asks_to_wait"}
+    settings.LEDGER_PYTHON_PROBES = [config["callable"]]
+    ASKED_WAIT[:] = [asked]
+    result = probes.run(config, Invocation.objects.get())
+    assert result is not None and result.finding is probes.Finding.INCONCLUSIVE
+    assert result.retry_after == waited
+
+
+ASKED_WAIT: list[Any] = []
+
+
+def asks_to_wait(invocation: Invocation) -> probes.ProbeResult:
+    return probes.ProbeResult(probes.Finding.INCONCLUSIVE, retry_after=ASKED_WAIT[0])
+
+
 def test_only_one_claim_holds_and_an_expired_lease_reopens(api: Api, refunds: Capability) -> None:
     flagged(api)
     now = timezone.now()
