@@ -324,7 +324,10 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
             summary["status"] = streamed.status_code
             body = read_answer(streamed, deadline=deadline)
     except httpx.HTTPError as exc:
-        return ProbeResult(Finding.INCONCLUSIVE, detail=f"{type(exc).__name__}", summary=summary)
+        # The reason as the network gave it ("Connection refused", "certificate verify
+        # failed: …"): what an operator needs to tell a down system from a wrong CA.
+        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return ProbeResult(Finding.INCONCLUSIVE, detail=reason[:200], summary=summary)
     except UnreadAnswer as exc:
         return ProbeResult(Finding.INCONCLUSIVE, detail=str(exc), summary=summary)
     decoded_headers = [
