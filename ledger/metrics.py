@@ -18,6 +18,9 @@ several workers would each hold a different part of.
 - `ledger_probe_claims_reopened_last_hour{reason}`: probe claims reopened in the last
   hour because their worker was found gone (`probe_worker_lost`) or held its lease past
   its end (`lease_expired`): workers killed or hung while probing;
+- `ledger_probes_concluding_nothing{capability, rule}`: 1 for each rule of a
+  capability's http probe that concludes nothing as saved (a bare status, saved before
+  a rule had to name the business system's answer): its invocations all go to people;
 - `ledger_shared_references_last_hour{kind}`: evidence recorded in the last hour that
   names a business reference other invocations' evidence names already (flagged
   `reference_shared`), by event kind: one effect may be counted for two intents;
@@ -60,6 +63,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ledger import policy
+from ledger.capabilities import probes_concluding_nothing
 from ledger.integrity import newest_passes
 from ledger.models import (
     NAMES_A_SHARED_REFERENCE,
@@ -322,11 +326,12 @@ def _last_sealed_before(at: dt.datetime) -> int | None:
 
 
 class LedgerCollector(Collector):
-    """Reads the figures once per scrape: thirteen statements, each on an index or the
-    catalog; one more before the first seal, one more while attempts are overdue (the
-    oldest of them, with their events, to tell those the sweep refuses), one more while
-    a capability declares a rate limit, and one more while the reference watch has not
-    read the newest seal."""
+    """Reads the figures once per scrape: fourteen statements, each on an index or the
+    catalog but one, which reads the capabilities' probes (as many as the registry
+    holds, however much is recorded); one more before the first seal, one more while
+    attempts are overdue (the oldest of them, with their events, to tell those the
+    sweep refuses), one more while a capability declares a rate limit, and one more
+    while the reference watch has not read the newest seal."""
 
     def __init__(self, now: dt.datetime) -> None:
         self.now = now
@@ -406,6 +411,18 @@ class LedgerCollector(Collector):
         for kind in REOPENED_CLAIM_KINDS:
             claims.add_metric([kind], reopened[kind])
         yield claims
+
+        concluding_nothing = GaugeMetricFamily(
+            "ledger_probes_concluding_nothing",
+            "Capabilities whose http probe has a rule that concludes nothing as saved (a "
+            "status alone, saved before a rule had to name the business system's answer), "
+            "by rule: a person decides each of their invocations until an admin mends it.",
+            labels=["capability", "rule"],
+        )
+        for scope, rules in probes_concluding_nothing():
+            for rule in rules:
+                concluding_nothing.add_metric([scope, rule], 1)
+        yield concluding_nothing
 
         behind = GaugeMetricFamily(
             "ledger_background_behind",

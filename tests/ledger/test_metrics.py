@@ -110,7 +110,7 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
     seal_events()
     verify_next_slice(invocations=2)
     watch_shared_references()
-    with django_assert_num_queries(13):
+    with django_assert_num_queries(14):
         scrape(client)
 
 
@@ -205,9 +205,9 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    # The thirteen, the first event's time (no seal yet), and the oldest overdue rows
+    # The fourteen, the first event's time (no seal yet), and the oldest overdue rows
     # with their events.
-    with django_assert_num_queries(15):
+    with django_assert_num_queries(16):
         just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
@@ -300,9 +300,9 @@ def test_a_rate_watch_that_stopped_is_reported_behind_and_waiting_breaches_count
     assert sealed is not None
     at = sealed.created_at
     watch_shared_references()
-    # The thirteen, the oldest overdue rows (the attempts are overdue by then), and the
+    # The fourteen, the oldest overdue rows (the attempts are overdue by then), and the
     # seal the watch should have read past.
-    with django_assert_num_queries(15):
+    with django_assert_num_queries(16):
         assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "rate_watch") == 0
     stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "rate_watch") == 1
@@ -349,8 +349,8 @@ def test_a_reference_watch_that_stopped_is_reported_behind_and_waiting_flags_cou
     assert sealed is not None
     at = sealed.created_at
     assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "reference_watch") == 0
-    # The thirteen, and the seal the watch should have read past: it has read none.
-    with django_assert_num_queries(14):
+    # The fourteen, and the seal the watch should have read past: it has read none.
+    with django_assert_num_queries(15):
         stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "reference_watch") == 1
     superuser_sql(

@@ -25,7 +25,7 @@ from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 
-from ledger import policy
+from ledger import metrics, policy
 from ledger.models import Capability, Invocation, NamedReference
 from ledger.probe_config import problems
 from ledger.services import LedgerError, flag_missing_evidence
@@ -39,6 +39,7 @@ from reconciliation.standin import (
 )
 from reconciliation.tasks import reconcile_invocation, worker_name
 from tests.conftest import Api, person, wait_for
+from tests.ledger.test_metrics import samples
 from tests.reconciliation.conftest import perform_refund
 
 
@@ -337,6 +338,9 @@ def test_a_404_that_is_not_the_business_systems_no_such_refund_is_not_absent(
         'so that a person decides each of their invocations: <a href="/audit/capabilities/'
         'refund.create/">refund.create</a> (absent).</p>'
     ) in dashboard
+    alerted = samples(metrics.exposition())
+    concluding_nothing = ("capability", "refund.create"), ("rule", "absent")
+    assert alerted[("ledger_probes_concluding_nothing", concluding_nothing)] == 1
 
 
 def test_a_200_that_is_not_the_refund_is_not_present(
