@@ -144,7 +144,19 @@ def _rule_matches(rule: Mapping[str, Any], response: httpx.Response) -> bool:
         value = _json_path(response.json(), rule["json_path"])
     except KeyError:
         return False
-    return "equals" not in rule or value == rule["equals"]
+    return "equals" not in rule or _same(value, rule["equals"])
+
+
+def _same(value: Any, expected: Any) -> bool:
+    """Equal as JSON values: Python takes False for 0 and True for 1, JSON does not (its
+    numbers are equal whatever their spelling: 1 and 1.0)."""
+    if isinstance(value, bool) or isinstance(expected, bool):
+        return type(value) is type(expected) and value == expected
+    if isinstance(value, dict) and isinstance(expected, dict):
+        return value.keys() == expected.keys() and all(_same(value[k], expected[k]) for k in value)
+    if isinstance(value, list) and isinstance(expected, list):
+        return len(value) == len(expected) and all(map(_same, value, expected))
+    return bool(value == expected)
 
 
 REFERENCE_LENGTH = 256  # as a runtime's business_reference

@@ -12,6 +12,8 @@ import ssl
 import threading
 import time
 import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -577,6 +579,51 @@ def test_a_probe_sends_no_cookie_an_earlier_answer_set(api: Api, refunds: Capabi
     assert cookies_sent == [None, None, None]
 
 
+@contextmanager
+def answering(status: int, answer: Any) -> Iterator[str]:
+    """A business system answering every GET with `answer` as JSON: its URL."""
+    body = json.dumps(answer).encode()
+
+    class Answers(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/refunds"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("answered", "finding"),
+    [
+        (False, probes.Finding.ABSENT),
+        (0, probes.Finding.INCONCLUSIVE),
+        (None, probes.Finding.INCONCLUSIVE),
+        ([False], probes.Finding.INCONCLUSIVE),
+    ],
+)
+def test_a_rule_equals_only_the_same_json_value(
+    api: Api, refunds: Capability, answered: Any, finding: probes.Finding
+) -> None:
+    """JSON's false is not its 0, though Python's False == 0: an absent rule waiting for
+    `"refunded": false` must not take a count of nothing, or anything else, for it."""
+    absent = {"status": 200, "json_path": "refunded", "equals": False}
+    with answering(200, {"refunded": answered}) as url:
+        result = probes.run({**refunds.probe, "url": url, "absent": absent}, flagged(api))
+    assert result is not None and result.finding is finding
+
+
 @pytest.mark.parametrize(
     ("reference", "found"),
     [
@@ -594,27 +641,8 @@ def test_a_probe_reference_must_be_a_usable_one(
 ) -> None:
     """An answer whose reference is an object, a list or a long text is no evidence of
     which refund it was: inconclusive, never a reference like "{'id': 'RF-7'}"."""
-    body = json.dumps({"status": "succeeded", "id": reference}).encode()
-
-    class Answers(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Answers)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    config = {**refunds.probe, "url": f"http://127.0.0.1:{server.server_address[1]}/refunds"}
-    try:
-        result = probes.run(config, flagged(api))
-    finally:
-        server.shutdown()
-        server.server_close()
+    with answering(200, {"status": "succeeded", "id": reference}) as url:
+        result = probes.run({**refunds.probe, "url": url}, flagged(api))
     assert result is not None
     if found is None:
         assert result.finding is probes.Finding.INCONCLUSIVE
