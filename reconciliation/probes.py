@@ -5,6 +5,7 @@ A probe never dispatches a business operation. It is configured per capability
 
     {"kind": "none"}                                   escalate to a person at once
     {"kind": "python", "callable": "pkg.module.func"}  allow-listed in LEDGER_PYTHON_PROBES
+                                                       (with "timeout": its claim's length)
     {"kind": "http",
      "url": "https://pay.example/refunds?idempotency_key={idempotency_key}",
      "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},
@@ -299,10 +300,13 @@ def _timeouts(config: Mapping[str, Any]) -> tuple[float, float]:
 
 
 def longest_run(config: Mapping[str, Any]) -> float:
-    """The longest an http probe can take, in seconds: until the later of its answer's
-    beginning (after the waits for a connection, to connect and to send, and a read
-    timeout) and its deadline (the connect and read timeouts from the start), then a
-    read timeout more for the read under way. 0 for other kinds, which bound nothing."""
+    """The longest a probe can take, in seconds. An http probe: until the later of its
+    answer's beginning (after the waits for a connection, to connect and to send, and
+    a read timeout) and its deadline (the connect and read timeouts from the start),
+    then a read timeout more for the read under way. A python probe: the `timeout` its
+    configuration declares, which the callable bounds itself (0 without one)."""
+    if config.get("kind") == "python":
+        return float(config.get("timeout", 0))
     if config.get("kind") != "http":
         return 0.0
     connect, read = _timeouts(config)

@@ -777,6 +777,24 @@ def test_a_probe_that_may_take_longer_than_the_lease_is_claimed_for_as_long_as_i
     assert Invocation.objects.get(invocation_id="inv-2").status == "reconciling"
 
 
+def test_a_python_probe_is_claimed_for_the_timeout_it_declares(
+    api: Api, refunds: Capability, settings: Any
+) -> None:
+    """A python probe bounds its own waits; the claim must outlast them, or a second
+    probe starts beside one that is still asking a slow business system."""
+    flagged(api)
+    config = {"kind": "python", "callable": f"{__name__}.always_present", "timeout": 300}
+    settings.LEDGER_PYTHON_PROBES = [config["callable"]]
+    assert problems(config) == []
+    Capability.objects.filter(pk=refunds.pk).update(probe=config)
+    now = timezone.now()
+    claimed = services.invocation_claim(invocation_id="inv-1", worker="a", now=now)
+    assert claimed is not None and claimed.lease_expires_at == now + dt.timedelta(seconds=300)
+    assert "timeout: 0 is less than or equal to the minimum of 0" in problems(
+        {**config, "timeout": 0}
+    )
+
+
 def test_a_claim_whose_worker_is_gone_reopens_before_its_lease_runs_out(
     api: Api, refunds: Capability
 ) -> None:
