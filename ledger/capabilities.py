@@ -15,7 +15,7 @@ from ledger import acc
 from ledger.chain import digest
 from ledger.models import AdminAction, Capability, CapabilityDeclaration, Invocation
 from ledger.policy import Flag
-from ledger.probe_config import UNIDENTIFIED, identifies
+from ledger.probe_config import unidentified_rules
 
 # The action log's records of the registry (ledger.integrity checks every capability
 # against them).
@@ -210,14 +210,10 @@ def probes_concluding_nothing() -> list[tuple[str, list[str]]]:
     business system's answer, has a rule that now concludes nothing, with those rules'
     names: a person decides each of their invocations until an administrator mends it."""
     http = Capability.objects.filter(probe__kind="http").order_by("scope")
-    found = []
-    for scope, probe in http.values_list("scope", "probe"):
-        rules = [
-            name for name in UNIDENTIFIED if name in probe and not identifies(name, probe[name])
-        ]
-        if rules:
-            found.append((scope, rules))
-    return found
+    found = (
+        (scope, unidentified_rules(probe)) for scope, probe in http.values_list("scope", "probe")
+    )
+    return [(scope, rules) for scope, rules in found if rules]
 
 
 def capability_history(scope: str) -> QuerySet[AdminAction]:

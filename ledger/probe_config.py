@@ -116,6 +116,13 @@ def identifies(name: str, rule: Mapping[str, Any]) -> bool:
     return "json_path" in rule or "reference_path" in rule
 
 
+def unidentified_rules(config: Mapping[str, Any]) -> list[str]:
+    """The rules of an http probe that do not name the business system's answer."""
+    if config.get("kind") != "http":
+        return []
+    return [name for name in UNIDENTIFIED if name in config and not identifies(name, config[name])]
+
+
 def problems(config: Any) -> list[str]:
     """What is wrong with a probe configuration, each naming where; [] when nothing."""
     found = []
@@ -129,12 +136,7 @@ def problems(config: Any) -> list[str]:
     if kind == "http" and not ("present" in config or "absent" in config):
         # With neither rule every answer would be inconclusive.
         found.append("the configuration: an http probe needs a 'present' or an 'absent' rule")
-    if kind == "http":
-        found += [
-            problem
-            for name, problem in UNIDENTIFIED.items()
-            if name in config and not identifies(name, config[name])
-        ]
+    found += [UNIDENTIFIED[name] for name in unidentified_rules(config)]
     if kind == "python" and config["callable"] not in settings.LEDGER_PYTHON_PROBES:
         found.append(f"callable: {config['callable']!r} is not listed in LEDGER_PYTHON_PROBES")
     return found

@@ -46,7 +46,7 @@ import httpx
 from django.conf import settings
 
 from ledger.models import Invocation
-from ledger.probe_config import UNIDENTIFIED, identifies
+from ledger.probe_config import UNIDENTIFIED, URL_PLACEHOLDERS, identifies
 
 
 class Finding(StrEnum):
@@ -75,6 +75,9 @@ class ProbeConfigError(ValueError):
 SECRET = re.compile(r"\{secret:([A-Za-z0-9_]+)\}")
 
 
+PLACEHOLDER = re.compile(r"\{(" + "|".join(URL_PLACEHOLDERS) + r")\}")
+
+
 class NothingToAskBy(Exception):
     """The URL names a value the invocation does not have (no business reference was
     recorded): asking by an empty one would ask about nothing in particular."""
@@ -91,7 +94,7 @@ def _fill(template: str, invocation: Invocation) -> str:
             raise NothingToAskBy(f"no {name} recorded to ask by")
         return quote(found, safe="")
 
-    return re.sub(r"\{(idempotency_key|invocation_id|business_reference)\}", value, template)
+    return PLACEHOLDER.sub(value, template)
 
 
 def _last_reference(invocation: Invocation) -> str:

@@ -535,3 +535,22 @@ def invocation_reject(
     )
     assert changed is not None
     return changed
+
+
+def probe_tried(capability: Capability, idempotency_key: str, actor: str) -> ProbeResult | None:
+    """What the capability's http probe finds for a key, as a reconciliation would ask
+    it, recording nothing: no invocation is claimed or settled (the probe asks about
+    an unsaved one). Who asked the business system about which key is logged.
+
+    None when the capability has no probe; probes.ProbeConfigError for one that cannot
+    run as configured."""
+    unrecorded = Invocation(capability_scope=capability.scope, idempotency_key=idempotency_key)
+    tried: ProbeResult | None = None
+    try:
+        tried = probes.run(capability.probe, unrecorded)
+    finally:
+        log.info(
+            "probe tried capability=%s key=%r by=%s finding=%s",
+            capability.scope, idempotency_key, actor, tried.finding if tried else "misconfigured",
+        )  # fmt: skip
+    return tried

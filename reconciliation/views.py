@@ -639,15 +639,10 @@ def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
         problem = "Only an http probe can be tried here: it is asked by key alone."
     elif form.is_valid():
         key = form.cleaned_data["idempotency_key"]
-        unrecorded = Invocation(capability_scope=scope, idempotency_key=key)
         try:
-            tried = probes.run(capability.probe, unrecorded)
+            tried = services.probe_tried(capability, key, actor(request))
         except probes.ProbeConfigError as exc:
             problem = f"The probe is misconfigured: {exc}"
-        log.info(
-            "probe tried capability=%s key=%r by=%s finding=%s",
-            scope, key, actor(request), tried.finding if tried else "misconfigured",
-        )  # fmt: skip
     context = {
         "capability": capability,
         "form": form,
