@@ -605,20 +605,24 @@ def answering(status: int, answer: Any) -> Iterator[str]:
 
 
 @pytest.mark.parametrize(
-    ("answered", "finding"),
+    ("answered", "equals", "finding"),
     [
-        (False, probes.Finding.ABSENT),
-        (0, probes.Finding.INCONCLUSIVE),
-        (None, probes.Finding.INCONCLUSIVE),
-        ([False], probes.Finding.INCONCLUSIVE),
+        (False, False, probes.Finding.ABSENT),
+        (0, False, probes.Finding.INCONCLUSIVE),
+        (None, False, probes.Finding.INCONCLUSIVE),
+        ([False], False, probes.Finding.INCONCLUSIVE),
+        ([False, 1.0], [False, 1], probes.Finding.ABSENT),  # 1.0 and 1: one JSON number
+        ([0], [False], probes.Finding.INCONCLUSIVE),
+        ({"paid": 1}, {"paid": True}, probes.Finding.INCONCLUSIVE),
     ],
 )
 def test_a_rule_equals_only_the_same_json_value(
-    api: Api, refunds: Capability, answered: Any, finding: probes.Finding
+    api: Api, refunds: Capability, answered: Any, equals: Any, finding: probes.Finding
 ) -> None:
     """JSON's false is not its 0, though Python's False == 0: an absent rule waiting for
-    `"refunded": false` must not take a count of nothing, or anything else, for it."""
-    absent = {"status": 200, "json_path": "refunded", "equals": False}
+    `"refunded": false` must not take a count of nothing, or anything else, for it,
+    however deep in the value it stands."""
+    absent = {"status": 200, "json_path": "refunded", "equals": equals}
     with answering(200, {"refunded": answered}) as url:
         result = probes.run({**refunds.probe, "url": url, "absent": absent}, flagged(api))
     assert result is not None and result.finding is finding
