@@ -22,6 +22,7 @@ _URL_TEMPLATE = r"^https?://[^{}\s]*(\{(" + "|".join(URL_PLACEHOLDERS) + r")\}[^
 
 _TIMEOUT = {"type": "number", "exclusiveMinimum": 0, "maximum": 60}
 _STATUS = {"type": "integer", "minimum": 100, "maximum": 599}
+_NAME = r"^[A-Za-z0-9_]+$"  # as a {secret:NAME}: the end of an environment variable's name
 _PATH = {"type": "string", "pattern": r"^[^.\s]+(\.[^.\s]+)*$"}
 
 
@@ -59,6 +60,9 @@ SCHEMA: dict[str, Any] = {
                     "kind": True,
                     "url": {"type": "string", "pattern": _URL_TEMPLATE},
                     "headers": {"type": "object", "additionalProperties": {"type": "string"}},
+                    # The name of the business system's own TLS files in the settings
+                    # (LEDGER_PROBE_CA_FILE_<tls>, LEDGER_PROBE_CLIENT_CERT_<tls>).
+                    "tls": {"type": "string", "pattern": _NAME},
                     "connect_timeout": _TIMEOUT,
                     "read_timeout": _TIMEOUT,
                     "present": _rule(with_reference=True),
@@ -87,6 +91,8 @@ SCHEMA: dict[str, Any] = {
 _validator = Draft202012Validator(SCHEMA)
 
 _HINTS = {
+    _NAME: "letters, digits and _, naming LEDGER_PROBE_CA_FILE_<name> or "
+    "LEDGER_PROBE_CLIENT_CERT_<name> in the settings",
     _URL_TEMPLATE: "an http(s) URL; its placeholders can only be "
     + ", ".join("{" + name + "}" for name in URL_PLACEHOLDERS),
 }

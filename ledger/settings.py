@@ -57,6 +57,16 @@ def env_rate(name: str, default: str) -> str:
     return raw
 
 
+def env_named(prefix: str) -> dict[str, str]:
+    """Settings given by name in the environment: LEDGER_PROBE_SECRET_PAYMENTS=… is
+    env_named("LEDGER_PROBE_SECRET_")["PAYMENTS"]."""
+    return {
+        name.removeprefix(prefix): value
+        for name, value in os.environ.items()
+        if name.startswith(prefix) and name != prefix and value
+    }
+
+
 def data_dir_secret_key(path: Path) -> str:
     """The key of every process sharing this data directory when SECRET_KEY is unset:
     made at random by the first, kept in `path` (mode 0600) for the others and for
@@ -351,17 +361,19 @@ LEDGER_PROBE_LEASE_SECONDS = env_int("LEDGER_PROBE_LEASE_SECONDS", 60, minimum=1
 LEDGER_PROBE_MAX_TRIES = env_int("LEDGER_PROBE_MAX_TRIES", 5, minimum=1)
 LEDGER_PROBE_BACKOFF_SECONDS = env_int("LEDGER_PROBE_BACKOFF_SECONDS", 5)
 # Probe header secrets, by name: LEDGER_PROBE_SECRET_PAYMENTS=… → {secret:PAYMENTS}.
-# CA certificates (PEM) an https probe trusts besides certifi's bundle: the company's
+LEDGER_PROBE_SECRETS = env_named("LEDGER_PROBE_SECRET_")
+# CA certificates (PEM) every https probe trusts besides certifi's bundle: the company's
 # own CA, for business systems whose certificates it signs.
 LEDGER_PROBE_CA_FILE = os.environ.get("LEDGER_PROBE_CA_FILE", "")
 # A PEM file of the certificate (and its key) probes show business systems that ask
 # for one: mutual TLS.
 LEDGER_PROBE_CLIENT_CERT = os.environ.get("LEDGER_PROBE_CLIENT_CERT", "")
-LEDGER_PROBE_SECRETS = {
-    name.removeprefix("LEDGER_PROBE_SECRET_"): value
-    for name, value in os.environ.items()
-    if name.startswith("LEDGER_PROBE_SECRET_")
-}
+# The same for the probes whose configuration names them ("tls": "PAYMENTS"), since
+# each business system may have a CA and give the ledger a certificate of its own:
+# LEDGER_PROBE_CA_FILE_PAYMENTS (trusted besides the above), and
+# LEDGER_PROBE_CLIENT_CERT_PAYMENTS (shown instead of the above).
+LEDGER_PROBE_CA_FILES = env_named("LEDGER_PROBE_CA_FILE_")
+LEDGER_PROBE_CLIENT_CERTS = env_named("LEDGER_PROBE_CLIENT_CERT_")
 # Python probes that may be named in a capability's probe configuration.
 LEDGER_PYTHON_PROBES = [p for p in os.environ.get("LEDGER_PYTHON_PROBES", "").split(",") if p]
 LEDGER_SEAL_INTERVAL_SECONDS = env_int("LEDGER_SEAL_INTERVAL_SECONDS", 60, minimum=1)

@@ -9,6 +9,7 @@ A probe never dispatches a business operation. It is configured per capability
     {"kind": "http",
      "url": "https://pay.example/refunds?idempotency_key={idempotency_key}",
      "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},
+     "tls": "PAYMENTS",
      "connect_timeout": 2, "read_timeout": 5,
      "present": {"status": 200, "json_path": "status", "equals": "succeeded",
                  "reference_path": "id"},
@@ -17,7 +18,8 @@ A probe never dispatches a business operation. It is configured per capability
 The admin checks a configuration when it is saved (ledger/probe_config.py).
 URL templates may use {idempotency_key}, {invocation_id} and {business_reference}
 (URL-quoted). `{secret:NAME}` in a header comes from the setting LEDGER_PROBE_SECRETS
-(environment LEDGER_PROBE_SECRET_NAME) and is never stored or logged. Anything that
+(environment LEDGER_PROBE_SECRET_NAME) and is never stored or logged; "tls" names the
+business system's own CA and client certificate files (tls_files). Anything that
 is not clearly present or absent — timeouts, 5xx, bodies that do not parse,
 redirects (never followed), a reference that is not a string or a number — is
 inconclusive.
@@ -181,43 +183,97 @@ def _reference(response: httpx.Response, path: str) -> str:
 
 _local = threading.local()
 
+Stamp = tuple[int, int, int]
 
-def _http_client() -> httpx.Client:
-    """This thread's HTTP client for probes.
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The files an https probe's TLS is made of, each as (the setting that names it,
+    its path, its stamp: inode, size and modification time): CA certificates trusted
+    besides httpx's (certifi's bundle, or the file SSL_CERT_FILE names), and the
+    certificate with its key shown to a business system that asks for one (mutual
+    TLS)."""
+
+    ca_files: tuple[tuple[str, str, Stamp], ...] = ()
+    client_cert: tuple[str, str, Stamp] | None = None
+
+    @property
+    def paths(self) -> tuple[tuple[str, str], ...]:
+        files = (*self.ca_files, *([self.client_cert] if self.client_cert else []))
+        return tuple((setting, path) for setting, path, _ in files)
+
+
+def tls_files(config: Mapping[str, Any]) -> TlsFiles:
+    """The TLS files of a probe: LEDGER_PROBE_CA_FILE and LEDGER_PROBE_CLIENT_CERT, and
+    with `"tls": "PAYMENTS"` LEDGER_PROBE_CA_FILE_PAYMENTS (trusted too) and
+    LEDGER_PROBE_CLIENT_CERT_PAYMENTS (shown instead): each business system may have a
+    CA, and give the ledger a certificate, of its own.
+
+    A file is known by its contents' inode, size and modification time too, so that a
+    certificate renewed in place is read by the next probe, not after the workers'
+    restart."""
+    ca_files = [("LEDGER_PROBE_CA_FILE", settings.LEDGER_PROBE_CA_FILE)]
+    client_cert = ("LEDGER_PROBE_CLIENT_CERT", settings.LEDGER_PROBE_CLIENT_CERT)
+    name = config.get("tls")
+    if name:
+        named_ca = settings.LEDGER_PROBE_CA_FILES.get(name, "")
+        named_cert = settings.LEDGER_PROBE_CLIENT_CERTS.get(name, "")
+        if not named_ca and not named_cert:
+            raise ProbeConfigError(
+                f"tls {name!r} is not configured: set LEDGER_PROBE_CA_FILE_{name} or "
+                f"LEDGER_PROBE_CLIENT_CERT_{name}"
+            )
+        ca_files.append((f"LEDGER_PROBE_CA_FILE_{name}", named_ca))
+        if named_cert:
+            client_cert = (f"LEDGER_PROBE_CLIENT_CERT_{name}", named_cert)
+    return TlsFiles(
+        tuple(_stamped(*ca) for ca in ca_files if ca[1]),
+        _stamped(*client_cert) if client_cert[1] else None,
+    )
+
+
+def _stamped(setting: str, path: str) -> tuple[str, str, Stamp]:
+    try:
+        found = os.stat(path)
+        return setting, path, (found.st_ino, found.st_size, found.st_mtime_ns)
+    except OSError as exc:
+        raise ProbeConfigError(f"{setting} {path!r}: {exc}") from exc
+
+
+def _http_client(tls: TlsFiles) -> httpx.Client:
+    """This thread's HTTP client for probes with these TLS files.
 
     Building a client loads the CA bundle, which took ~60 ms here, far longer than a
-    probe; each worker thread keeps one (a forked child builds its own rather than
-    share its parent's connections). It keeps no cookies: one probe's answer must not
-    change what the next one asks.
+    probe; each worker thread keeps one for each set of TLS files (a forked child
+    builds its own rather than share its parent's connections). It keeps no cookies:
+    one probe's answer must not change what the next one asks.
     """
-    client: httpx.Client | None = getattr(_local, "client", None)
-    built_for = (os.getpid(), settings.LEDGER_PROBE_CA_FILE, settings.LEDGER_PROBE_CLIENT_CERT)
-    if client is None or _local.built_for != built_for:
+    if getattr(_local, "pid", None) != os.getpid():
+        _local.pid, _local.clients = os.getpid(), {}
+    clients: dict[TlsFiles, httpx.Client] = _local.clients
+    if tls not in clients:
+        # A file renewed in place: the client built from its old contents goes.
+        for stale in [built for built in clients if built.paths == tls.paths]:
+            clients.pop(stale).close()
         no_cookies = http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
-        client = httpx.Client(
+        clients[tls] = httpx.Client(
             follow_redirects=False,
             cookies=http.cookiejar.CookieJar(policy=no_cookies),
-            verify=_tls_context(*built_for[1:]),
+            verify=_tls_context(tls),
         )
-        _local.client, _local.built_for = client, built_for
-    return client
+    return clients[tls]
 
 
-def _tls_context(ca_file: str, client_cert: str) -> ssl.SSLContext | bool:
-    """What an https probe trusts: what httpx trusts (certifi's bundle, or the file
-    SSL_CERT_FILE names), and the CA certificates in LEDGER_PROBE_CA_FILE (a company's
-    own CA, which signs its business systems' certificates) when it names one. With
-    LEDGER_PROBE_CLIENT_CERT (a PEM file of a certificate and its key) a probe shows
-    that certificate to business systems that ask for one (mutual TLS)."""
-    if not ca_file and not client_cert:
+def _tls_context(tls: TlsFiles) -> ssl.SSLContext | bool:
+    if tls == TlsFiles():
         return True
     context = httpx.create_ssl_context()
-    for setting, path, load in (
-        ("LEDGER_PROBE_CA_FILE", ca_file, context.load_verify_locations),
-        ("LEDGER_PROBE_CLIENT_CERT", client_cert, context.load_cert_chain),
-    ):
-        if not path:
-            continue
+    loads: list[tuple[tuple[str, str, Stamp], Callable[[str], object]]] = [
+        (ca, context.load_verify_locations) for ca in tls.ca_files
+    ]
+    if tls.client_cert:
+        loads.append((tls.client_cert, context.load_cert_chain))
+    for (setting, path, _), load in loads:
         try:
             load(path)
         except (OSError, ssl.SSLError) as exc:
@@ -339,7 +395,9 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
     headers.update(_secret_headers(config.get("headers", {})))
     deadline = time.monotonic() + connect + read
     try:
-        with _http_client().stream("GET", url, headers=headers, timeout=timeout) as streamed:
+        with _http_client(tls_files(config)).stream(
+            "GET", url, headers=headers, timeout=timeout
+        ) as streamed:
             summary["status"] = streamed.status_code
             body = read_answer(streamed, deadline=deadline)
     except httpx.HTTPError as exc:

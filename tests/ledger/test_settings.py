@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from ledger.settings import env_named
 from tests.conftest import ROOT
 
 
@@ -41,3 +42,12 @@ def test_a_setting_that_could_not_work_stops_the_ledger_from_starting(
 def test_the_smallest_working_values_start_it() -> None:
     started = check(LEDGER_VERIFY_SLICE="1", LEDGER_PROBE_BACKOFF_SECONDS="0")
     assert (started.returncode, started.stderr) == (0, "")
+
+
+def test_settings_given_by_name_are_read_by_their_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LEDGER_PROBE_CA_FILE_PAYMENTS is the CA file named PAYMENTS; the global setting,
+    named as the prefix is, is not one of them, nor is a name set to nothing."""
+    monkeypatch.setenv("LEDGER_PROBE_CA_FILE", "/etc/ssl/company-ca.pem")
+    monkeypatch.setenv("LEDGER_PROBE_CA_FILE_PAYMENTS", "/etc/ssl/payments-ca.pem")
+    monkeypatch.setenv("LEDGER_PROBE_CA_FILE_HR", "")
+    assert env_named("LEDGER_PROBE_CA_FILE_") == {"PAYMENTS": "/etc/ssl/payments-ca.pem"}

@@ -4,6 +4,7 @@ nothing saved. The configurations the project itself uses are valid."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,20 +18,12 @@ from tests.conftest import Api, registered
 # The business system's own "no such refund", not any 404.
 ABSENT = {"status": 404, "json_path": "error", "equals": "refund_not_found"}
 
-README_EXAMPLE = {
-    "kind": "http",
-    "url": "https://pay.example/refunds?idempotency_key={idempotency_key}",
-    "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},
-    "connect_timeout": 2,
-    "read_timeout": 5,
-    "present": {
-        "status": 200,
-        "json_path": "status",
-        "equals": "succeeded",
-        "reference_path": "id",
-    },
-    "absent": ABSENT,
-}
+
+def readme_example() -> dict[str, Any]:
+    """The probe the README shows, as it shows it."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("Configure a probe per capability", 1)[1].split("```json\n", 1)[1]
+    return json.loads(block.split("```", 1)[0])
 
 
 @pytest.mark.parametrize(
@@ -38,7 +31,7 @@ README_EXAMPLE = {
     [
         {},
         {"kind": "none"},
-        README_EXAMPLE,
+        readme_example(),
         {
             "kind": "http",
             "url": "http://h/r/{invocation_id}/{business_reference}",
@@ -104,6 +97,11 @@ def test_the_stand_ins_probe_is_valid(standin: StandInService) -> None:
             "'os.system' is not listed in LEDGER_PYTHON_PROBES",
         ),
         ({"kind": "python"}, "'callable' is a required property"),
+        (
+            {"kind": "http", "url": "https://h/", "tls": "pay-ments", "absent": ABSENT},
+            "tls: 'pay-ments' does not match '^[A-Za-z0-9_]+$' (letters, digits and _, naming "
+            "LEDGER_PROBE_CA_FILE_<name> or LEDGER_PROBE_CLIENT_CERT_<name> in the settings)",
+        ),
     ],
     ids=lambda value: "" if isinstance(value, str) else repr(value)[:40],
 )

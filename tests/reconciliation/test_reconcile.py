@@ -403,6 +403,20 @@ class CompanyCA:
     def payments(self, tmp_path: Path) -> StandInService:
         return StandInService(tmp_path / "payments.sqlite3", tls=self.tls).start()
 
+    def requiring_client_certificates(self) -> None:
+        """The business system lets in only clients whose certificate this CA signed."""
+        self.ca.configure_trust(self.tls)
+        self.tls.verify_mode = ssl.CERT_REQUIRED
+
+
+def client_certificate(ca: trustme.CA, path: Path) -> str:
+    """A client certificate `ca` signed, with its key, written to `path` as a renewal
+    writes one: whole beside it, then moved into place."""
+    written = path.with_suffix(".new")
+    ca.issue_cert("ledger-probes").private_key_and_cert_chain_pem.write_to_path(str(written))
+    written.replace(path)
+    return str(path)
+
 
 @pytest.fixture
 def company_ca(tmp_path: Path) -> CompanyCA:
@@ -450,12 +464,8 @@ def test_an_https_probe_shows_its_certificate_to_a_business_system_that_asks(
     """Mutual TLS: the business system lets in only a client whose certificate the
     company's CA signed. Without LEDGER_PROBE_CLIENT_CERT the probe is turned away
     (inconclusive, never "absent"); with it, it is answered."""
-    company_ca.ca.configure_trust(company_ca.tls)
-    company_ca.tls.verify_mode = ssl.CERT_REQUIRED
-    client_cert = str(tmp_path / "probes.pem")
-    company_ca.ca.issue_cert("ledger-probes").private_key_and_cert_chain_pem.write_to_path(
-        client_cert
-    )
+    company_ca.requiring_client_certificates()
+    client_cert = client_certificate(company_ca.ca, tmp_path / "probes.pem")
     payments = company_ca.payments(tmp_path)
     try:
         invocation = flagged(api)
@@ -474,6 +484,73 @@ def test_an_https_probe_shows_its_certificate_to_a_business_system_that_asks(
     assert turned_away is not None and let_in is not None
     assert turned_away.finding is probes.Finding.INCONCLUSIVE
     assert let_in.finding is probes.Finding.ABSENT
+
+
+def test_each_business_system_is_shown_its_own_certificate(
+    api: Api, refunds: Capability, tmp_path: Path, company_ca: CompanyCA
+) -> None:
+    """Business systems with a CA, and a client certificate for the ledger, of their
+    own: a probe with `"tls": "PAYMENTS"` trusts LEDGER_PROBE_CA_FILE_PAYMENTS and shows
+    LEDGER_PROBE_CLIENT_CERT_PAYMENTS instead of LEDGER_PROBE_CLIENT_CERT (another
+    system's); probes that do not name it neither trust nor show them. A name the
+    settings lack is a misconfiguration, named."""
+    company_ca.requiring_client_certificates()
+    named = {
+        "LEDGER_PROBE_CA_FILES": {"PAYMENTS": company_ca.ca_file},
+        "LEDGER_PROBE_CLIENT_CERTS": {
+            "PAYMENTS": client_certificate(company_ca.ca, tmp_path / "payments-client.pem")
+        },
+        "LEDGER_PROBE_CLIENT_CERT": client_certificate(
+            trustme.CA(), tmp_path / "hr-client.pem"
+        ),  # the HR system's,
+    }
+    payments = company_ca.payments(tmp_path)
+    try:
+        invocation = flagged(api)
+        config = asked_at(payments, refunds)
+        with override_settings(**named):
+            unnamed = probes.run(config, invocation)
+            with override_settings(LEDGER_PROBE_CA_FILE=company_ca.ca_file):
+                shown_the_other = probes.run(config, invocation)
+            own = probes.run({**config, "tls": "PAYMENTS"}, invocation)
+            with pytest.raises(
+                probes.ProbeConfigError,
+                match="tls 'HR' is not configured: set LEDGER_PROBE_CA_FILE_HR or "
+                "LEDGER_PROBE_CLIENT_CERT_HR",
+            ):
+                probes.run({**config, "tls": "HR"}, invocation)
+    finally:
+        payments.stop()
+    assert unnamed is not None and shown_the_other is not None and own is not None
+    assert unnamed.detail.startswith("ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]")
+    assert shown_the_other.finding is probes.Finding.INCONCLUSIVE
+    assert "CERTIFICATE_VERIFY_FAILED" not in shown_the_other.detail  # trusted, turned away
+    assert own.finding is probes.Finding.ABSENT
+
+
+def test_a_client_certificate_renewed_in_place_is_shown_at_the_next_probe(
+    api: Api, refunds: Capability, tmp_path: Path, company_ca: CompanyCA
+) -> None:
+    """Certificates are renewed where they lie (a file replaced, a mounted secret
+    updated) while the workers run: the next probe reads the new one, where a worker's
+    client kept the one it first read until it was restarted."""
+    company_ca.requiring_client_certificates()
+    client_cert = tmp_path / "probes.pem"
+    client_certificate(trustme.CA(), client_cert)  # another CA's: not let in
+    payments = company_ca.payments(tmp_path)
+    try:
+        invocation = flagged(api)
+        config = asked_at(payments, refunds)
+        tls = {"LEDGER_PROBE_CA_FILE": company_ca.ca_file, "LEDGER_PROBE_CLIENT_CERT": client_cert}
+        with override_settings(**tls):
+            before = probes.run(config, invocation)
+            client_certificate(company_ca.ca, client_cert)  # renewed by the company's CA
+            after = probes.run(config, invocation)
+    finally:
+        payments.stop()
+    assert before is not None and after is not None
+    assert before.finding is probes.Finding.INCONCLUSIVE
+    assert after.finding is probes.Finding.ABSENT
 
 
 def test_a_probe_by_business_reference_asks_nothing_of_an_invocation_without_one(
