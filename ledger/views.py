@@ -325,8 +325,7 @@ def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
         # A probe saved before a check it now fails runs all the same; what it cannot
         # conclude is said here, and when an administrator saves it next.
         "probe_problems": problems(capability.probe),
-        "can_try_probe": capability.probe.get("kind") == "http"
-        and bool(roles(request.user) & set(ACTORS)),
+        "can_try_probe": capability.has_probe and bool(roles(request.user) & set(ACTORS)),
         "defaults": {
             "timeout_ms": settings.LEDGER_DEFAULT_TIMEOUT_MS,
             "grace_ms": settings.LEDGER_DEFAULT_GRACE_MS,

@@ -46,6 +46,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 from django.conf import settings
+from django.db import connections
 
 from ledger.models import Invocation
 from ledger.probe_config import UNIDENTIFIED, URL_PLACEHOLDERS, identifies
@@ -516,3 +517,40 @@ def run(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult | None
         result = ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     duration = int((time.perf_counter() - started) * 1000)
     return replace(result, duration_ms=duration, retry_after=_bounded(result.retry_after))
+
+
+# Python probes tried from the console (reconciliation.services.probe_tried) that may
+# run at once in a web process. A callable cannot be stopped from outside: one that
+# never returns keeps its thread, and must not take one for every click.
+TRIES_AT_ONCE = 2
+_trying = threading.BoundedSemaphore(TRIES_AT_ONCE)
+
+
+def run_within(seconds: float, config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
+    """A python probe's answer, waited for `seconds`, for a person waiting at a page: a
+    callable bounds its own waits, up to the hour its configuration may declare. One
+    still running then is left to finish in its thread, unwatched and unrecorded."""
+    if not _trying.acquire(blocking=False):
+        detail = f"{TRIES_AT_ONCE} tries of python probes still run here; try again when they end"
+        return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
+    answers: list[ProbeResult | ProbeConfigError | None] = []
+
+    def tried() -> None:
+        try:
+            answers.append(run(config, invocation))
+        except ProbeConfigError as exc:
+            answers.append(exc)
+        finally:
+            connections.close_all()  # this thread's, which nothing else would close
+            _trying.release()
+
+    thread = threading.Thread(target=tried, name="probe-try", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not answers:
+        detail = f"no answer within {seconds:g} s; the probe runs on, unwatched"
+        return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
+    if isinstance(answers[0], ProbeConfigError):
+        raise answers[0]
+    assert answers[0] is not None  # a python probe's kind
+    return answers[0]

@@ -537,17 +537,25 @@ def invocation_reject(
     return changed
 
 
+# How long a person at the console waits for a python probe's answer.
+PROBE_TRY_WAIT_SECONDS = 30.0
+
+
 def probe_tried(capability: Capability, idempotency_key: str, actor: str) -> ProbeResult | None:
-    """What the capability's http probe finds for a key, as a reconciliation would ask
-    it, recording nothing: no invocation is claimed or settled (the probe asks about
-    an unsaved one). Who asked the business system about which key is logged.
+    """What the capability's probe finds for a key, as a reconciliation would ask it,
+    recording nothing: no invocation is claimed or settled (the probe asks about an
+    unsaved one, which has its capability and key alone). Who asked the business
+    system about which key is logged.
 
     None when the capability has no probe; probes.ProbeConfigError for one that cannot
     run as configured."""
     unrecorded = Invocation(capability_scope=capability.scope, idempotency_key=idempotency_key)
     tried: ProbeResult | None = None
     try:
-        tried = probes.run(capability.probe, unrecorded)
+        if capability.probe.get("kind") == "python":  # bounds its own waits, up to an hour
+            tried = probes.run_within(PROBE_TRY_WAIT_SECONDS, capability.probe, unrecorded)
+        else:  # an http probe: within its timeouts
+            tried = probes.run(capability.probe, unrecorded)
     finally:
         log.info(
             "probe tried capability=%s key=%r by=%s finding=%s",

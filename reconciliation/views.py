@@ -627,7 +627,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
 @require_POST
 @role_required(*ACTORS)
 def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
-    """Ask a capability's http probe about a key, as a reconciliation would, and show
+    """Ask a capability's probe about a key, as a reconciliation would, and show
     what its rules conclude; nothing is recorded. Whoever has just written a probe
     sees at once whether it finds a refund they know of, and whether a
     mistyped URL's 404 would have passed for "absent"."""
@@ -635,8 +635,8 @@ def probe_try(request: HttpRequest, scope: str) -> HttpResponse:
     form = ProbeTryForm(request.POST)
     tried: probes.ProbeResult | None = None
     problem = ""
-    if capability.probe.get("kind") != "http":
-        problem = "Only an http probe can be tried here: it is asked by key alone."
+    if not capability.has_probe:
+        problem = "This capability has no probe to try: its flagged invocations go to a person."
     elif form.is_valid():
         key = form.cleaned_data["idempotency_key"]
         try:

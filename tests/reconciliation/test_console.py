@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,8 +27,9 @@ from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence, flag_missing_evidence_of
 from ledger.shared_references import watch_shared_references
-from reconciliation import tasks, views
+from reconciliation import services, tasks, views
 from reconciliation.forms import QueueFilterForm
+from reconciliation.probes import Finding, ProbeResult
 from reconciliation.services import (
     expire_lease,
     invocation_assign,
@@ -38,7 +40,14 @@ from reconciliation.services import (
 )
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, request_probes
-from tests.conftest import Api, invocation_rows_read, person, process_env, registered
+from tests.conftest import (
+    Api,
+    invocation_rows_read,
+    person,
+    process_env,
+    registered,
+    wait_for,
+)
 from tests.ledger.test_metrics import samples
 from tests.reconciliation.conftest import BrokerQueue, perform_refund, reported_lost, status_of
 
@@ -1481,5 +1490,53 @@ def test_trying_a_probe_names_what_cannot_be_tried(
     assert "<li>idempotency key: No control characters.</li>" in bad_key
     Capability.objects.filter(pk=refunds.pk).update(probe={"kind": "none"})
     assert "probe-try" not in operator.get("/audit/capabilities/refund.create/").content.decode()
-    no_http = operator.post(url, {"idempotency_key": "k-1"}).content.decode()
-    assert "Only an http probe can be tried here" in no_http
+    no_probe = operator.post(url, {"idempotency_key": "k-1"}).content.decode()
+    assert "This capability has no probe to try" in no_probe
+
+
+def test_a_python_probe_is_tried_as_long_as_a_person_waits(
+    refunds: Capability, operator: Client, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A python probe is asked about the key as an http probe is. One that does not
+    answer while a person waits is said to run on, and only two run at once in a web
+    process, however often one that never returns is tried."""
+    url = "/audit/capabilities/refund.create/probe-try"
+    finds, hangs = f"{__name__}.finds_by_key", f"{__name__}.hangs"
+    settings.LEDGER_PYTHON_PROBES = [finds, hangs]
+    Capability.objects.filter(pk=refunds.pk).update(probe={"kind": "python", "callable": finds})
+    assert f'action="{url}"' in operator.get("/audit/capabilities/refund.create/").content.decode()
+    found = operator.post(url, {"idempotency_key": "k-known"}).content.decode()
+    assert "<strong>effect_present</strong>, business reference RF-k-known" in found
+    assert f"<code>{finds}</code>, with the capability and the key alone" in found
+
+    Capability.objects.filter(pk=refunds.pk).update(probe={"kind": "python", "callable": hangs})
+    monkeypatch.setattr(services, "PROBE_TRY_WAIT_SECONDS", 0.2)
+    HANGING.clear()
+    try:
+        tries = [
+            operator.post(url, {"idempotency_key": f"k-{n}"}).content.decode() for n in range(3)
+        ]
+    finally:
+        HANGING.set()
+    assert ["no answer within 0.2 s; the probe runs on, unwatched" in page for page in tries] == [
+        True,
+        True,
+        False,
+    ]
+    assert "2 tries of python probes still run here; try again when they end" in tries[2]
+    wait_for(lambda: not any(thread.name == "probe-try" for thread in threading.enumerate()))
+    again = operator.post(url, {"idempotency_key": "k-3"}).content.decode()
+    assert "<strong>inconclusive</strong>" in again and "still run here" not in again
+
+
+def finds_by_key(invocation: Invocation) -> ProbeResult:
+    return ProbeResult(Finding.PRESENT, business_reference=f"RF-{invocation.idempotency_key}")
+
+
+HANGING = threading.Event()
+
+
+def hangs(invocation: Invocation) -> ProbeResult:
+    """Answers once HANGING is set (at once, then), as a business system that is back."""
+    HANGING.wait(timeout=60)
+    return ProbeResult(Finding.INCONCLUSIVE, detail="the business system is back")
