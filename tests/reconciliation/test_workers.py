@@ -309,9 +309,23 @@ def test_the_demo_runs_its_traffic_and_everything_settles(
     report = out.getvalue()
     rows = {line.split("  ")[0]: line for line in report.splitlines() if line.startswith("demo-")}
     assert len(rows) == 4
-    assert "outcome lost after refund   succeeded       reconciled_effect_present   1" in report
-    assert "crash before refund         retry_allowed   reconciled_effect_absent    0" in report
-    assert "business refuses            failed          business_rejected           0" in report
+    # Settled as, the cause, the runtime's retry, the refunds made under its key.
+    assert (
+        "outcome lost after refund   succeeded       reconciled_effect_present   -           1"
+        in report
+    )
+    assert (
+        "crash before refund         retry_allowed   reconciled_effect_absent    succeeded   1"
+        in report
+    )
+    assert (
+        "business refuses            failed          business_rejected           -           0"
+        in report
+    )
+    assert (
+        "succeeds                    succeeded       -                           -           1"
+        in report
+    )
 
 
 def test_beat_flags_an_attempt_admitted_beyond_the_declared_rate(

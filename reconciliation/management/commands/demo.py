@@ -7,8 +7,9 @@ It starts the stand-in payments service, registers `demo.refund.create` (probed 
 idempotency key at the stand-in, with short deadlines), creates a runtime, and over
 the REST API plays runtimes that: succeed; are refused by the business; perform a
 refund and then lose the outcome report; crash before dispatching. It then polls
-until the ledger has settled every one, and shows that each key produced at most one
-refund.
+until the ledger has settled every one, retries under the same key each one the ledger
+found never happened (as a runtime does on `retry_allowed`), and shows that each key
+produced at most one refund.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class Command(BaseCommand):
                 for scenario in SCENARIOS
             ]
             self.watch(ledger, runs, timeout)
-            self.report(ledger, standin, runs)
+            for run in runs:
+                run["settled"] = self.state(ledger, run)
+            self.retry_allowed(ledger, standin, runs)
+            self.report(standin, runs)
         finally:
             standin.stop()
 
@@ -105,11 +109,9 @@ class Command(BaseCommand):
         )
         intent.raise_for_status()
         outcome_url = f"/api/v1/invocations/{invocation_id}/attempts/a1/outcome"
+        run = {"invocation_id": invocation_id, "key": key, "scenario": scenario, "amount": amount}
         if scenario != "crash before refund":
-            refund = httpx.post(
-                f"{standin.url}/refunds",
-                json={"idempotency_key": key, "order": f"SO-{run_id}", "amount": amount},
-            )
+            refund = self.refund(standin, run)
             if scenario == "succeeds":
                 ledger.post(
                     outcome_url,
@@ -121,7 +123,16 @@ class Command(BaseCommand):
                     json={"kind": "business_failed", "error": {"code": refund.json()["error"]}},
                 )
         self.stdout.write(f"  {invocation_id}: {scenario}")
-        return {"invocation_id": invocation_id, "key": key, "scenario": scenario}
+        return run
+
+    @staticmethod
+    def refund(standin: StandInService, run: dict[str, Any]) -> httpx.Response:
+        """The business call: a refund at the stand-in, under the run's key."""
+        order = run["invocation_id"].replace("demo-", "SO-")
+        return httpx.post(
+            f"{standin.url}/refunds",
+            json={"idempotency_key": run["key"], "order": order, "amount": run["amount"]},
+        )
 
     def watch(self, ledger: httpx.Client, runs: list[dict[str, Any]], timeout: float) -> None:
         self.stdout.write("waiting for the sweep and the probes (worker and beat must run)…")
@@ -139,18 +150,37 @@ class Command(BaseCommand):
     def state(ledger: httpx.Client, run: dict[str, Any]) -> dict[str, Any]:
         return ledger.get(f"/api/v1/invocations/{run['invocation_id']}").json()  # type: ignore[no-any-return]
 
-    def report(
+    def retry_allowed(
         self, ledger: httpx.Client, standin: StandInService, runs: list[dict[str, Any]]
     ) -> None:
-        self.stdout.write(f"\n{'invocation':<16}{'scenario':<28}{'status':<16}{'cause':<28}refunds")
+        """What a runtime does with `retry_allowed`: a new attempt of the same invocation,
+        the business call again under the same key, and its outcome."""
         for run in runs:
-            state = self.state(ledger, run)
+            if run["settled"]["status"] != "retry_allowed":
+                continue
+            invocation = f"/api/v1/invocations/{run['invocation_id']}"
+            ledger.post(f"{invocation}/attempts", json={"attempt_id": "a2"}).raise_for_status()
+            refund = self.refund(standin, run)
+            ledger.post(
+                f"{invocation}/attempts/a2/outcome",
+                json={"kind": "succeeded", "business_reference": refund.json()["id"]},
+            ).raise_for_status()
+            run["retried"] = self.state(ledger, run)["status"]
+
+    def report(self, standin: StandInService, runs: list[dict[str, Any]]) -> None:
+        self.stdout.write(
+            f"\n{'invocation':<16}{'scenario':<28}{'settled as':<16}{'cause':<28}"
+            f"{'retried':<12}refunds"
+        )
+        for run in runs:
+            settled = run["settled"]
             refunds = 1 if standin.refunds.find(run["key"]) else 0
             self.stdout.write(
-                f"{run['invocation_id']:<16}{run['scenario']:<28}{state['status']:<16}"
-                f"{state['cause'] or '-':<28}{refunds}"
+                f"{run['invocation_id']:<16}{run['scenario']:<28}{settled['status']:<16}"
+                f"{settled['cause'] or '-':<28}{run.get('retried', '-'):<12}{refunds}"
             )
         self.stdout.write(
-            "\nEvery refund that happened is now `succeeded` with its reference; every one "
-            "that did not may be retried under the same key (`retry_allowed`)."
+            "\nEvery refund that happened is `succeeded` with its reference, found by the "
+            "probe when its outcome was lost; every one that never happened was retried "
+            "under the same key once the ledger allowed it: one refund at most per key."
         )
