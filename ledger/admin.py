@@ -21,6 +21,7 @@ from ledger.capabilities import (
 )
 from ledger.forms import CapabilityImportForm, CapabilitySettingsForm
 from ledger.models import Capability, CapabilityDeclaration, Runtime, RuntimeToken
+from ledger.probe_config import unconfigured
 
 # What ACC declares is read-only here: it changes only by importing or posting a
 # new declaration, which keeps the old one as history.
@@ -89,6 +90,13 @@ class CapabilityAdmin(admin.ModelAdmin):
                     obj.scope,
                 ),
                 messages.INFO,
+            )
+        if lacking := unconfigured(obj.probe):
+            self.message_user(
+                request,
+                "Its probe names settings this ledger lacks, so that each of its probes is "
+                "inconclusive until they are set: " + "; ".join(lacking) + ".",
+                messages.WARNING,
             )
         if obj.has_probe and (waiting := awaiting_its_probe(obj)):
             queue = f"{reverse('console:queue')}?{urlencode({'capability': obj.scope})}"

@@ -9,6 +9,7 @@ rules (the python allow-list) are checked beside it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ _URL_TEMPLATE = r"^https?://[^{}\s]*(\{(" + "|".join(URL_PLACEHOLDERS) + r")\}[^
 _TIMEOUT = {"type": "number", "exclusiveMinimum": 0, "maximum": 60}
 _STATUS = {"type": "integer", "minimum": 100, "maximum": 599}
 _NAME = r"^[A-Za-z0-9_]+$"  # as a {secret:NAME}: the end of an environment variable's name
+# A header's secret, by name: LEDGER_PROBE_SECRET_<name> in the environment.
+SECRET = re.compile(r"\{secret:([A-Za-z0-9_]+)\}")
 _PATH = {"type": "string", "pattern": r"^[^.\s]+(\.[^.\s]+)*$"}
 
 
@@ -146,6 +149,33 @@ def problems(config: Any) -> list[str]:
     if kind == "python" and config["callable"] not in settings.LEDGER_PYTHON_PROBES:
         found.append(f"callable: {config['callable']!r} is not listed in LEDGER_PYTHON_PROBES")
     return found
+
+
+def unconfigured(config: Mapping[str, Any]) -> list[str]:
+    """The settings an http probe names that this process lacks: its header secrets and
+    its TLS files. Not a reason to refuse it (they may be set after it is saved), but
+    until they are, each of its probes is inconclusive and a person decides."""
+    if config.get("kind") != "http":
+        return []
+    lacking = []
+    headers = config.get("headers")
+    for header in headers.values() if isinstance(headers, Mapping) else ():
+        for name in SECRET.findall(str(header)):
+            if name not in settings.LEDGER_PROBE_SECRETS:
+                lacking.append(f"secret {name!r}: LEDGER_PROBE_SECRET_{name} is not set")
+    name = config.get("tls")
+    if (
+        isinstance(name, str)
+        and name
+        and not (
+            name in settings.LEDGER_PROBE_CA_FILES or name in settings.LEDGER_PROBE_CLIENT_CERTS
+        )
+    ):
+        lacking.append(
+            f"tls {name!r}: neither LEDGER_PROBE_CA_FILE_{name} nor "
+            f"LEDGER_PROBE_CLIENT_CERT_{name} is set"
+        )
+    return lacking
 
 
 def validate_probe_config(config: Any) -> None:

@@ -50,7 +50,7 @@ from ledger.integrity import (
 from ledger.metrics import exposition
 from ledger.models import AdminAction, Capability, CapabilityDeclaration, Event, RateWatch
 from ledger.permissions import ACTORS, READERS, fragment, role_required, roles
-from ledger.probe_config import problems
+from ledger.probe_config import problems, unconfigured
 
 logger = logging.getLogger(__name__)
 
@@ -325,6 +325,7 @@ def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
         # A probe saved before a check it now fails runs all the same; what it cannot
         # conclude is said here, and when an administrator saves it next.
         "probe_problems": problems(capability.probe),
+        "probe_unconfigured": unconfigured(capability.probe),
         "can_try_probe": capability.has_probe and bool(roles(request.user) & set(ACTORS)),
         "defaults": {
             "timeout_ms": settings.LEDGER_DEFAULT_TIMEOUT_MS,

@@ -49,7 +49,7 @@ from django.conf import settings
 from django.db import connections
 
 from ledger.models import Invocation
-from ledger.probe_config import UNIDENTIFIED, URL_PLACEHOLDERS, identifies
+from ledger.probe_config import SECRET, UNIDENTIFIED, URL_PLACEHOLDERS, identifies
 
 
 class Finding(StrEnum):
@@ -73,9 +73,6 @@ class ProbeResult:
 
 class ProbeConfigError(ValueError):
     pass
-
-
-SECRET = re.compile(r"\{secret:([A-Za-z0-9_]+)\}")
 
 
 PLACEHOLDER = re.compile(r"\{(" + "|".join(URL_PLACEHOLDERS) + r")\}")

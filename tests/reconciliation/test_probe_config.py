@@ -165,3 +165,42 @@ def test_the_admin_points_at_the_escalations_a_new_probe_could_settle(
         "Before its probe settles invocations, ask it about a key you know: on "
         '<a href="/audit/capabilities/refund.create/">the page of refund.create</a>.'
     ) in response.content.decode()
+
+
+def test_settings_a_probe_names_and_the_ledger_lacks_are_said_where_it_is_read(
+    admin_client: Client, settings: Any
+) -> None:
+    """A probe naming a secret or TLS files this ledger has no setting for is saved
+    (they may be set after it), with a warning; its capability's page says the same
+    until they are set."""
+    capability = registered("refund.create")
+    probe = {**readme_example(), "headers": {"Authorization": "Bearer {secret:PAYMENTS}"}}
+    form = {
+        "idempotency_verified": "", "max_attempts": 5, "grace_ms": 60000, "redact_paths": "",
+        "probe": json.dumps(probe), "reason": "payments can be asked now",
+        "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
+    }  # fmt: skip
+    settings.LEDGER_PROBE_SECRETS = {}
+    settings.LEDGER_PROBE_CA_FILES = {"HR": "/etc/ssl/hr-ca.pem"}
+    settings.LEDGER_PROBE_CLIENT_CERTS = {}
+    lacking = (
+        "secret &#x27;PAYMENTS&#x27;: LEDGER_PROBE_SECRET_PAYMENTS is not set",
+        "tls &#x27;PAYMENTS&#x27;: neither LEDGER_PROBE_CA_FILE_PAYMENTS nor "
+        "LEDGER_PROBE_CLIENT_CERT_PAYMENTS is set",
+    )
+
+    saved = admin_client.post(
+        f"/admin/ledger/capability/{capability.pk}/change/", form, follow=True
+    ).content.decode()
+    capability.refresh_from_db()
+    assert capability.probe == probe
+    assert "Its probe names settings this ledger lacks" in saved
+    assert all(line in saved for line in lacking)
+    its_page = admin_client.get("/audit/capabilities/refund.create/").content.decode()
+    assert 'id="probe-unconfigured"' in its_page
+    assert all(f"<li>{line}</li>" in its_page for line in lacking)
+
+    settings.LEDGER_PROBE_SECRETS = {"PAYMENTS": "sk_live_hush"}
+    settings.LEDGER_PROBE_CLIENT_CERTS = {"PAYMENTS": "/etc/ssl/ledger-payments.pem"}
+    its_page = admin_client.get("/audit/capabilities/refund.create/").content.decode()
+    assert "probe-unconfigured" not in its_page
