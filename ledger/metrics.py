@@ -33,7 +33,8 @@ several workers would each hold a different part of.
   so far by the running one, and `ledger_verification_finished_timestamp_seconds`,
   when the last pass finished;
 - `ledger_background_behind{work}`: 1 when the sweeper, the sealer, the verifier, the
-  rate watch, the reference watch or the partition maker has fallen behind by the
+  rate watch, the reference watch, the partition maker or, with LEDGER_ANCHOR_URL set,
+  the anchoring has fallen behind by the
   rules of `BackgroundWork`, which the console's dashboard shows too. A row the sweep refuses
   does not count: it waits for an admin, not for beat;
 - `ledger_rate_limit_breaches_unrecorded`: attempts the rate watch found admitted
@@ -62,7 +63,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ledger import policy
+from ledger import anchors, policy
 from ledger.capabilities import probes_concluding_nothing
 from ledger.integrity import newest_passes
 from ledger.models import (
@@ -148,6 +149,9 @@ class BackgroundWork:
     reference_flags_unrecorded: int
     # The event table's month partitions (ledger.partitions).
     partitions: PartitionState
+    # Whether a seal or an action recorded ten anchor intervals ago is not anchored yet;
+    # None when no LEDGER_ANCHOR_URL is set (ledger.anchors).
+    anchor_behind: bool | None = None
 
     @property
     def for_the_sweep(self) -> int:
@@ -312,6 +316,7 @@ def background_work(now: dt.datetime | None = None) -> BackgroundWork:
         sealed_before_reference_slack=sealed_before_reference_slack,
         reference_flags_unrecorded=reference_watch[1],
         partitions=partition_state(now),
+        anchor_behind=anchors.behind(now) if settings.LEDGER_ANCHOR_URL else None,
     )
 
 
@@ -429,8 +434,9 @@ class LedgerCollector(Collector):
             "1 when beat's sweeper (an attempt overdue for 12 sweep intervals), sealer "
             "(events newer than the newest seal by 10 seal intervals), verifier (no slice "
             "verified for 10 intervals), rate or reference watch (a seal unread for 10 "
-            "intervals) or partition maker (none made for next month, or events in the "
-            "default partition) is not keeping up.",
+            "intervals), partition maker (none made for next month, or events in the "
+            "default partition) or anchoring (a seal or an action not sent to "
+            "LEDGER_ANCHOR_URL for 10 intervals) is not keeping up.",
             labels=["work"],
         )
         behind.add_metric(["sweeper"], int(work.sweeper_behind))
@@ -439,6 +445,8 @@ class LedgerCollector(Collector):
         behind.add_metric(["rate_watch"], int(work.rate_watch_behind))
         behind.add_metric(["reference_watch"], int(work.reference_watch_behind))
         behind.add_metric(["partitions"], int(work.partitions_behind))
+        if work.anchor_behind is not None:
+            behind.add_metric(["anchor"], int(work.anchor_behind))
         yield behind
         yield GaugeMetricFamily(
             "ledger_rate_limit_breaches_unrecorded",

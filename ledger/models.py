@@ -767,6 +767,27 @@ class Seal(models.Model):
         return f"seal {self.pk} ({self.first_sequence}-{self.last_sequence})"
 
 
+class Anchor(models.Model):
+    """A seal's hash and the action log's newest, as sent outside the database
+    (ledger.anchors): to a store whose keepers are not the database's, so that a
+    history rewritten with its hashes recomputed no longer leads to them. Append-only:
+    the ledger's own note of what it sent, where, and what the store answered.
+    """
+
+    seal = models.ForeignKey(Seal, on_delete=models.PROTECT, null=True, related_name="+")
+    seal_hash = models.CharField(max_length=64, blank=True)
+    action = models.ForeignKey("AdminAction", on_delete=models.PROTECT, null=True, related_name="+")
+    action_hash = models.CharField(max_length=64, blank=True)
+    url = models.CharField(max_length=500)
+    sent_at = models.DateTimeField(default=timezone.now)
+    status = models.PositiveSmallIntegerField()
+    # The store's answer (its receipt: a record's id, a timestamp token), cut short.
+    receipt = models.TextField(blank=True)
+
+    def __str__(self) -> str:
+        return f"anchor {self.pk}: seal {self.seal_hash or '-'}, action {self.action_hash or '-'}"
+
+
 class SealedEventQuerySet(models.QuerySet["SealedEvent"]):
     def with_events(self) -> SealedEventQuerySet:
         """Each one's event as `partitioned_event`, joined on the partition key too, so

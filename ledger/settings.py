@@ -402,6 +402,15 @@ LEDGER_PARTITION_INTERVAL_SECONDS = env_int("LEDGER_PARTITION_INTERVAL_SECONDS",
 # The console's Verify page checks at most this many events in one request (about 20 s
 # at the ~10,000 events/s measured); `manage.py verify_ledger` has no limit.
 LEDGER_VERIFY_PAGE_MAX_EVENTS = env_int("LEDGER_VERIFY_PAGE_MAX_EVENTS", 200_000, minimum=1)
+# Where beat sends the newest seal's hash and the action log's (ledger.anchors): a
+# store the database's administrators cannot rewrite. Empty: they are only logged.
+LEDGER_ANCHOR_URL = os.environ.get("LEDGER_ANCHOR_URL", "")
+if LEDGER_ANCHOR_URL and not LEDGER_ANCHOR_URL.startswith(("https://", "http://")):
+    raise ImproperlyConfigured(
+        f"LEDGER_ANCHOR_URL must be an http(s) URL, not {LEDGER_ANCHOR_URL!r}"
+    )
+LEDGER_ANCHOR_TOKEN = os.environ.get("LEDGER_ANCHOR_TOKEN", "")  # sent as a bearer token
+LEDGER_ANCHOR_INTERVAL_SECONDS = env_int("LEDGER_ANCHOR_INTERVAL_SECONDS", 300, minimum=1)
 # Empty: /metrics is open, like /healthz (aggregate counts, no ids or subjects).
 LEDGER_METRICS_TOKEN = os.environ.get("LEDGER_METRICS_TOKEN", "")
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
@@ -428,6 +437,11 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "ledger.tasks.create_event_partitions",
         "schedule": float(LEDGER_PARTITION_INTERVAL_SECONDS),
         "options": {"expires": float(LEDGER_PARTITION_INTERVAL_SECONDS)},
+    },
+    "anchor-hashes": {
+        "task": "ledger.tasks.anchor_hashes",
+        "schedule": float(LEDGER_ANCHOR_INTERVAL_SECONDS),
+        "options": {"expires": float(LEDGER_ANCHOR_INTERVAL_SECONDS)},
     },
     "sweep-overdue-attempts": {
         "task": "reconciliation.tasks.sweep_overdue_attempts",

@@ -7,7 +7,7 @@ from typing import Protocol
 from celery import shared_task
 from django.conf import settings
 
-from ledger import integrity, partitions, rate_limits, shared_references
+from ledger import anchors, integrity, partitions, rate_limits, shared_references
 from ledger.integrity import seal_events, verify_slices_for
 
 log = logging.getLogger(__name__)
@@ -98,3 +98,26 @@ def create_event_partitions() -> list[str]:
     for name in made:
         log.info("event partition made partition=%s", name)
     return made
+
+
+@shared_task(acks_late=True, ignore_result=True)
+def anchor_hashes() -> bool:
+    """Beat runs this every LEDGER_ANCHOR_INTERVAL_SECONDS: the newest seal's hash and
+    the action log's go to LEDGER_ANCHOR_URL, when one is set and they are new
+    (`ledger.anchors`). A store that does not take them is logged, and the next run
+    sends the newest then. Whether an anchor was recorded."""
+    if not settings.LEDGER_ANCHOR_URL:
+        return False
+    try:
+        anchor = anchors.anchor_newest()
+    except anchors.AnchorRefused as exc:
+        log.warning("anchor not taken url=%s: %s", anchors.where(settings.LEDGER_ANCHOR_URL), exc)
+        return False
+    if anchor is not None:
+        log.info(
+            "anchored seal=%s action=%s status=%d",
+            anchor.seal_hash or "-",
+            anchor.action_hash or "-",
+            anchor.status,
+        )
+    return anchor is not None

@@ -26,6 +26,7 @@ from django.views.decorators.http import require_GET
 from kombu import Connection
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ledger import anchors
 from ledger.api.errors import error_body
 from ledger.audit import (
     AuditFilterForm,
@@ -365,5 +366,6 @@ def audit_verify(request: HttpRequest) -> HttpResponse:
         "capability_advice": CAPABILITY_ADVICE,
         "running": running,
         "finished": finished,
+        "anchor": anchors.newest() if report and report.ok else None,
     }
     return render(request, "ledger/verify.html", context)

@@ -7,9 +7,11 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -312,3 +314,38 @@ def person(name: str, *groups: str) -> Client:
     client = Client()
     client.force_login(user)
     return client
+
+
+@dataclass
+class AnchorStore:
+    """A log store that takes what it is sent: each request's headers and body, and
+    its answer (`status`, then a receipt naming the record)."""
+
+    url: str
+    received: list[tuple[dict[str, str], Any]] = field(default_factory=list)
+    status: int = 201
+
+
+@pytest.fixture
+def anchor_store() -> Iterator[AnchorStore]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    taken = AnchorStore(f"http://127.0.0.1:{server.server_address[1]}/anchors")
+
+    class Takes(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            taken.received.append((dict(self.headers), body))
+            receipt = f"record-{len(taken.received)}".encode()
+            self.send_response(taken.status)
+            self.send_header("Content-Length", str(len(receipt)))
+            self.end_headers()
+            self.wfile.write(receipt)
+
+    server.RequestHandlerClass = Takes
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield taken
+    server.shutdown()
+    server.server_close()

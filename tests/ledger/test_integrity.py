@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, User
@@ -19,6 +20,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from ledger import chain, integrity, services
+from ledger.anchors import anchor_newest
 from ledger.capabilities import capability_settings_change
 from ledger.integrity import merkle_root, seal_events, verify, verify_next_slice
 from ledger.models import (
@@ -36,7 +38,7 @@ from ledger.partitions import create_event_partitions, month_partition
 from ledger.tasks import seal_new_events
 from reconciliation import services as reconciliation_services
 from reconciliation.sweeper import forget_spent_probe_jobs, sweep
-from tests.conftest import ROOT, Api, intent_body, person, registered
+from tests.conftest import ROOT, AnchorStore, Api, intent_body, person, registered
 from tests.ledger.conftest import superuser_sql
 
 
@@ -591,7 +593,7 @@ def readme_role_statements(role: str) -> list[str]:
 
 
 def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidence(
-    ledger: Api,
+    ledger: Api, anchor_store: AnchorStore, settings: Any
 ) -> None:
     """Every kind of write the web processes and workers make, as the role the README
     tells a deployment to run them as; and what that role must never do."""
@@ -615,6 +617,8 @@ def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidenc
             scope="refund.create", actor="user:ada", reason="the role's check", max_attempts=2
         )
         assert verify().ok
+        settings.LEDGER_ANCHOR_URL = anchor_store.url
+        assert anchor_newest() is not None
         cache.set("role-check", 1)
         cache.delete("role-check")
         # Beat's partitions, which only the owner of the event table can make.
@@ -628,6 +632,7 @@ def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidenc
         for statement in (
             "UPDATE ledger_event SET kind = kind",
             "DELETE FROM ledger_seal",
+            "UPDATE ledger_anchor SET receipt = ''",
             "UPDATE ledger_adminaction SET actor = actor",
             "DELETE FROM ledger_capabilitydeclaration",
             "DELETE FROM ledger_invocation",

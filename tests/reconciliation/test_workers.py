@@ -22,13 +22,22 @@ from django.test import Client
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from ledger.models import Capability, Event, Invocation, VerificationPass
+from ledger.models import Anchor, Capability, Event, Invocation, Seal, VerificationPass
 from ledger.partitions import create_event_partitions, month_partition, partition_state
 from ledger.services import flag_missing_evidence
 from reconciliation import probes
 from reconciliation.standin import StandInService
 from reconciliation.tasks import reconcile_invocation, sweep_overdue_attempts
-from tests.conftest import LOG_RECORD, LOG_TIME, ROOT, Api, person, registered, wait_for
+from tests.conftest import (
+    LOG_RECORD,
+    LOG_TIME,
+    ROOT,
+    AnchorStore,
+    Api,
+    person,
+    registered,
+    wait_for,
+)
 from tests.reconciliation.conftest import Workers, perform_refund, reported_lost, status_of
 from tests.running import make_run
 
@@ -516,3 +525,21 @@ def test_after_an_outage_an_operator_reruns_every_escalated_probe_and_each_settl
         assert [kind for kind, _ in events[-2:]] == ["reconciliation_claimed", "probe_run"]
         assert [kind for kind, _ in events].count("probe_requested") == 1
     assert standin.refunds.count() == 2
+
+
+def test_beat_sends_each_new_seal_to_the_store(
+    api: Api, anchor_store: AnchorStore, workers: Workers, tmp_path: Path
+) -> None:
+    """Real beat and worker: a seal made of the API's events reaches the anchor_store."""
+    workers.start(LEDGER_ANCHOR_URL=anchor_store.url, LEDGER_ANCHOR_INTERVAL_SECONDS="1")
+    workers.beat(
+        tmp_path,
+        LEDGER_SEAL_INTERVAL_SECONDS="1",
+        LEDGER_ANCHOR_URL=anchor_store.url,
+        LEDGER_ANCHOR_INTERVAL_SECONDS="1",
+    )
+    api.intent(invocation_id="inv-1", idempotency_key="k-1")
+    wait_for(lambda: Seal.objects.exists() and Anchor.objects.exists())
+    newest = Seal.objects.order_by("-last_sequence").first()
+    assert newest is not None
+    wait_for(lambda: any(body["seal"]["hash"] == newest.hash for _, body in anchor_store.received))

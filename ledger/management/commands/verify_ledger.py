@@ -5,6 +5,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from ledger import anchors
 from ledger.integrity import CAPABILITY_ADVICE, UNEXPLAINED_HISTORY_ADVICE, verify
 
 
@@ -19,19 +20,41 @@ class Command(BaseCommand):
         "in [--since, --until)) and the action log's chain, check every capability and "
         "declaration against the action log, replay each chain's recorded states through "
         "the retry policy, and with --projections compare each invocation "
-        "row with the state its last event recorded. Names every broken link; exit status 1 "
-        "if any."
+        "row with the state its last event recorded; with --anchored, check that the ledger "
+        "still holds hashes kept outside it. Names every broken link; exit status 1 if any."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--since", type=moment, help="ISO 8601 time (UTC if no zone)")
         parser.add_argument("--until", type=moment, help="ISO 8601 time (UTC if no zone)")
         parser.add_argument("--projections", action="store_true")
+        parser.add_argument(
+            "--anchored",
+            action="append",
+            default=[],
+            metavar="HASH",
+            help="a seal's or an action's hash kept outside the database (the anchor store, "
+            "the sealer's log); repeatable",
+        )
 
-    def handle(self, *args: Any, since: Any, until: Any, projections: bool, **options: Any) -> None:
+    def handle(
+        self,
+        *args: Any,
+        since: Any,
+        until: Any,
+        projections: bool,
+        anchored: list[str],
+        **options: Any,
+    ) -> None:
         report = verify(since=since, until=until, projections=projections)
+        missing = anchors.not_held(anchored)
         for broken in report.breaks:
             self.stdout.write(f"BROKEN {broken}")
+        for hash_ in missing:
+            self.stdout.write(
+                f"BROKEN anchored hash {hash_} is no seal's or action's in the ledger: the "
+                "chains were rewritten after it was kept, or it was mistyped"
+            )
         if report.projections_broken:
             self.stdout.write(
                 "A row that disagrees with intact events is put back from them by "
@@ -41,12 +64,23 @@ class Command(BaseCommand):
             self.stdout.write(UNEXPLAINED_HISTORY_ADVICE)
         if report.capabilities_unrecorded:
             self.stdout.write(CAPABILITY_ADVICE)
-        if not report.ok:
-            raise CommandError(f"{len(report.breaks)} broken link(s) in {report.summary}")
+        if not report.ok or missing:
+            raise CommandError(
+                f"{len(report.breaks) + len(missing)} broken link(s) in {report.summary}"
+            )
         self.stdout.write(f"OK: {report.summary} verified")
+        if anchored:
+            self.stdout.write(f"anchored: the ledger holds each of the {len(anchored)} hash(es)")
         if report.newest_seal is not None:
             seal = report.newest_seal
             self.stdout.write(
                 f"newest seal: {seal.hash} (sequence {seal.first_sequence}-{seal.last_sequence}); "
                 "compare it with the sealer's log"
+            )
+        if (anchor := anchors.newest()) is not None:
+            self.stdout.write(
+                f"newest anchor: seal {anchor.seal_hash or '-'}, "
+                f"action {anchor.action_hash or '-'}, sent to {anchor.url} "
+                f"at {anchor.sent_at.isoformat()} (receipt {anchor.receipt[:80]!r}); "
+                "check them with --anchored against the store's copy"
             )

@@ -1,0 +1,174 @@
+"""The newest seal's hash and the action log's, sent to a store outside the database."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+from typing import Any
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+from django.db.utils import InternalError, ProgrammingError
+from django.test import Client
+from django.utils import timezone
+
+from ledger import anchors
+from ledger.integrity import seal_events
+from ledger.metrics import background_work
+from ledger.models import AdminAction, Anchor, Seal
+from ledger.tasks import anchor_hashes
+from tests.conftest import AnchorStore, Api, person
+from tests.ledger.test_metrics import scrape
+
+
+def sealed(api: Api, invocation_id: str, now: dt.datetime | None = None) -> Seal:
+    api.intent(invocation_id=invocation_id, idempotency_key=f"k-{invocation_id}")
+    seal = seal_events(now=now)
+    assert seal is not None
+    return seal
+
+
+def test_the_newest_hashes_are_sent_once_and_the_stores_receipt_kept(
+    api: Api, anchor_store: AnchorStore, settings: Any
+) -> None:
+    settings.LEDGER_ANCHOR_URL = f"{anchor_store.url}?key=in-the-url"
+    settings.LEDGER_ANCHOR_TOKEN = "anchor-t0ken"
+    action = AdminAction.record(actor="cli:ada", action="token_issued", target="runtime a")
+    first = sealed(api, "inv-1")
+
+    assert anchor_hashes.run() is True
+    assert anchor_hashes.run() is False  # nothing new: nothing sent
+    second = sealed(api, "inv-2")
+    assert anchor_hashes.run() is True
+
+    assert len(anchor_store.received) == 2
+    headers, body = anchor_store.received[0]
+    assert headers["Authorization"] == "Bearer anchor-t0ken"
+    assert body == {
+        "seal": {
+            "hash": first.hash,
+            "prev_hash": first.prev_hash,
+            "first_sequence": first.first_sequence,
+            "last_sequence": first.last_sequence,
+            "event_count": first.event_count,
+            "merkle_root": first.merkle_root,
+            "created_at": first.created_at.isoformat(),
+        },
+        "action_log": {
+            "id": action.pk,
+            "hash": action.hash,
+            "created_at": action.created_at.isoformat(),
+        },
+    }
+    assert anchor_store.received[1][1]["seal"]["hash"] == second.hash
+    recorded = list(Anchor.objects.order_by("id").values_list("seal_hash", "url", "receipt"))
+    # Kept without the URL's query, which may carry a credential.
+    assert recorded == [
+        (first.hash, anchor_store.url, "record-1"),
+        (second.hash, anchor_store.url, "record-2"),
+    ]
+
+
+def test_a_store_that_does_not_take_them_is_sent_the_newest_when_it_does(
+    api: Api, anchor_store: AnchorStore, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Refused (an answer other than 2xx) or unreachable: nothing is recorded as
+    anchored, the log says why, and the next run sends the newest hashes then, which
+    chain the ones it missed."""
+    sealed(api, "inv-1")
+    anchor_store.status = 503
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    assert anchor_hashes.run() is False
+    settings.LEDGER_ANCHOR_URL = "http://127.0.0.1:9/anchors"  # nothing listens there
+    assert anchor_hashes.run() is False
+    assert not Anchor.objects.exists()
+    assert "anchor not taken url=http://127.0.0.1:9/anchors: ConnectError" in caplog.text
+    assert f"anchor not taken url={anchor_store.url}: answered 503: 'record-1'" in caplog.text
+
+    newest = sealed(api, "inv-2")
+    anchor_store.status = 200
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    assert anchor_hashes.run() is True
+    assert anchor_store.received[-1][1]["seal"]["hash"] == newest.hash
+    assert list(Anchor.objects.values_list("seal_hash", flat=True)) == [newest.hash]
+
+
+def test_without_a_store_nothing_is_sent_or_watched(
+    api: Api, client: Client, settings: Any
+) -> None:
+    settings.LEDGER_ANCHOR_URL = ""
+    sealed(api, "inv-1", now=timezone.now() - dt.timedelta(days=1))
+    assert anchor_hashes.run() is False
+    assert background_work().anchor_behind is None
+    assert ("ledger_background_behind", (("work", "anchor"),)) not in scrape(client)
+
+
+def test_anchoring_is_behind_when_a_seal_waits_ten_intervals(
+    api: Api, anchor_store: AnchorStore, client: Client, settings: Any
+) -> None:
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    settings.LEDGER_ANCHOR_INTERVAL_SECONDS = 60
+    now = timezone.now()
+    seal = sealed(api, "inv-1", now=now - dt.timedelta(minutes=11))
+    assert anchors.behind(seal.created_at + dt.timedelta(minutes=9, seconds=59)) is False
+    assert background_work(now).anchor_behind is True
+    assert scrape(client)[("ledger_background_behind", (("work", "anchor"),))] == 1.0
+    assert anchor_hashes.run() is True
+    assert scrape(client)[("ledger_background_behind", (("work", "anchor"),))] == 0.0
+
+
+@pytest.mark.parametrize(
+    "statement", ["UPDATE ledger_anchor SET receipt = ''", "DELETE FROM ledger_anchor"]
+)
+def test_postgres_refuses_to_rewrite_an_anchor(
+    api: Api, anchor_store: AnchorStore, settings: Any, statement: str
+) -> None:
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    sealed(api, "inv-1")
+    assert anchor_hashes.run() is True
+    with (
+        pytest.raises((InternalError, ProgrammingError), match="append-only"),
+        connection.cursor() as cursor,
+    ):
+        cursor.execute(statement)
+
+
+def test_verify_ledger_says_whether_the_ledger_still_holds_the_hashes_kept_outside(
+    api: Api, anchor_store: AnchorStore, settings: Any
+) -> None:
+    """A reviewer takes the hashes from the store's copy: the ledger holds them, or its
+    chains were rewritten after they were kept (a rewritten seal has another hash)."""
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    action = AdminAction.record(actor="cli:ada", action="token_issued", target="runtime a")
+    seal = sealed(api, "inv-1")
+    assert anchor_hashes.run() is True
+
+    out = io.StringIO()
+    call_command("verify_ledger", "--anchored", seal.hash, "--anchored", action.hash, stdout=out)
+    assert "anchored: the ledger holds each of the 2 hash(es)" in out.getvalue()
+    assert (
+        f"newest anchor: seal {seal.hash}, action {action.hash}, sent to {anchor_store.url} at "
+    ) in out.getvalue()
+
+    rewritten = "9" * 64
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="1 broken link"):
+        call_command("verify_ledger", "--anchored", rewritten, stdout=out)
+    assert f"BROKEN anchored hash {rewritten} is no seal's or action's in the ledger" in (
+        out.getvalue()
+    )
+
+
+def test_the_verify_page_shows_the_newest_anchor(
+    api: Api, anchor_store: AnchorStore, settings: Any
+) -> None:
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    seal = sealed(api, "inv-1")
+    reviewer = person("cora", "compliance")
+    assert 'id="newest-anchor"' not in reviewer.get("/audit/verify/", {"run": "1"}).content.decode()
+    assert anchor_hashes.run() is True
+    page = reviewer.get("/audit/verify/", {"run": "1"}).content.decode()
+    assert f"Newest anchor: seal <code>{seal.hash}</code>" in page
+    assert f"sent to {anchor_store.url} at " in page and "<code>record-1</code>" in page
