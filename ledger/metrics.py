@@ -335,8 +335,10 @@ class LedgerCollector(Collector):
     catalog but one, which reads the capabilities' probes (as many as the registry
     holds, however much is recorded); one more before the first seal, one more while
     attempts are overdue (the oldest of them, with their events, to tell those the
-    sweep refuses), one more while a capability declares a rate limit, and one more
-    while the reference watch has not read the newest seal."""
+    sweep refuses), one more while a capability declares a rate limit, one more
+    while the reference watch has not read the newest seal, and three more with
+    LEDGER_ANCHOR_URL set (the newest anchor, and the seal and the action it should
+    have sent by now)."""
 
     def __init__(self, now: dt.datetime) -> None:
         self.now = now

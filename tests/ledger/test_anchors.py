@@ -12,6 +12,7 @@ from django.core.management.base import CommandError
 from django.db import connection
 from django.db.utils import InternalError, ProgrammingError
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from ledger import anchors
@@ -172,3 +173,16 @@ def test_the_verify_page_shows_the_newest_anchor(
     page = reviewer.get("/audit/verify/", {"run": "1"}).content.decode()
     assert f"Newest anchor: seal <code>{seal.hash}</code>" in page
     assert f"sent to {anchor_store.url} at " in page and "<code>record-1</code>" in page
+
+
+def test_a_scrape_reads_three_statements_more_to_watch_the_anchoring(
+    api: Api, anchor_store: AnchorStore, client: Client, settings: Any
+) -> None:
+    sealed(api, "inv-1")
+    settings.LEDGER_ANCHOR_URL = ""
+    with CaptureQueriesContext(connection) as unwatched:
+        scrape(client)
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    with CaptureQueriesContext(connection) as watched:
+        scrape(client)
+    assert len(watched) - len(unwatched) == 3
