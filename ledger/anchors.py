@@ -62,8 +62,9 @@ def anchor_newest() -> Anchor | None:
     seal = Seal.objects.order_by("-last_sequence").first()
     action = AdminAction.objects.order_by("-id").first()
     seal_hash, action_hash = seal.hash if seal else "", action.hash if action else ""
-    last = Anchor.objects.order_by("-id").values_list("seal_hash", "action_hash").first()
-    if (seal_hash, action_hash) in (last, ("", "")):
+    last = newest()
+    sent = last is not None and (last.seal_hash, last.action_hash) == (seal_hash, action_hash)
+    if sent or not (seal_hash or action_hash):
         return None
     headers = {"User-Agent": "invocation-ledger-anchor"}
     if settings.LEDGER_ANCHOR_TOKEN:
@@ -89,7 +90,7 @@ def where(url: str) -> str:
     """The store's address as kept and logged: without any credentials or query the
     URL may carry."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}{parts.path}"
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
 # The intervals a seal or an action may wait to be anchored before the dashboard and
