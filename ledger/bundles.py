@@ -20,7 +20,7 @@ from django.utils import timezone
 from ledger import chain
 from ledger.audit import filters_given, search
 from ledger.integrity import chains_touched, reading_every_row, seal_body, time_window
-from ledger.models import Event, Invocation, Seal, SealedEvent
+from ledger.models import Anchor, Event, Invocation, Seal, SealedEvent
 from ledger.services import event_body
 
 
@@ -75,9 +75,19 @@ def export_bundle(
     covering = Seal.objects.filter(pk__in=seal_ids)
     span = covering.aggregate(first=Min("last_sequence"), last=Max("last_sequence"))
     seals = Seal.objects.none()
+    anchor = None
     if seal_ids:  # through seal_last_sequence_unique
+        # The first anchor sent at or after the last covering seal, and the seals up to
+        # its seal: a hash the anchor store holds must be in the bundle's seal chain.
+        anchor = (
+            Anchor.objects.filter(seal__last_sequence__gte=span["last"])
+            .select_related("seal")
+            .order_by("seal__last_sequence", "id")
+            .first()
+        )
+        through = anchor.seal.last_sequence if anchor and anchor.seal else span["last"]
         seals = Seal.objects.filter(
-            last_sequence__gte=span["first"], last_sequence__lte=span["last"]
+            last_sequence__gte=span["first"], last_sequence__lte=through
         ).order_by("last_sequence")
     sealed = 0
     with open(folder / "seals.jsonl", "w") as out:
@@ -95,10 +105,19 @@ def export_bundle(
                 "leaves": leaves,
             }
             out.write(json.dumps(record) + "\n")
-    files = {
-        name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
-        for name in ("events.jsonl", "seals.jsonl")
-    }
+    named = ["events.jsonl", "seals.jsonl"]
+    if anchor is not None:
+        # Where the ledger says it sent that seal's hash: whoever checks the bundle asks
+        # that store for it, and gives the verifier the store's copy, never this one.
+        sent = {
+            "seal": anchor.seal_hash,
+            "url": anchor.url,
+            "sent_at": anchor.sent_at.isoformat(),
+            "receipt": anchor.receipt,
+        }
+        (folder / "anchors.jsonl").write_text(json.dumps(sent) + "\n")
+        named.append("anchors.jsonl")
+    files = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in named}
     manifest = {
         "created_at": timezone.now().isoformat(),
         "scope": {
@@ -124,7 +143,9 @@ To check it, with Python 3.11 or later and nothing else, in this folder:
 
 It checks every event's hash and chain link, replays the recorded states through the
 retry policy, and checks the seals' hashes, chain and Merkle roots. A seal hash from
-the ledger's log ties the bundle to the ledger, which a consistent forgery cannot be:
+the ledger's log, or from the store the ledger sends its seals to (anchors.jsonl, when
+present, says which seal it sent where: ask that store for it), ties the bundle to the
+ledger, which a consistent forgery cannot be:
 
     python3 -m ledger.verify_bundle . --seal HASH
 

@@ -11,7 +11,9 @@ audit search) holds:
 - seals.jsonl     per covering seal: its hashed body, its hash, and the hashes of
                   every event it sealed, in order (no other event data); and every
                   seal between covering ones, with its body and hash only (leaves
-                  null), so that the seal chain is whole.
+                  null), so that the seal chain is whole, up to the seal the ledger
+                  sent to its anchor store after them, when it did;
+- anchors.jsonl   (when it did) that seal's hash, the store and its receipt.
 
 It checks the manifest, every event hash and chain link (per invocation, from its
 first event), every seal's hash, chain and Merkle root, and that each event sits in
@@ -22,7 +24,9 @@ failure.
 
 All of that a forger could recompute. What ties a bundle to the ledger is a seal hash
 kept outside it: the ledger logs each seal's hash as it makes it (`sealed ...
-hash=...`). `--seal HASH` (repeatable) requires that seal in the bundle's chain, and
+hash=...`), and may send them to a store (anchors.jsonl says where; take the hash from
+the store, not from the file). `--seal HASH` (repeatable) requires that seal in the
+bundle's chain, and
 the events sealed by it or by the seals it chains to are then anchored:
 
     python -m ledger.verify_bundle BUNDLE_DIR --seal 3f1c...
@@ -185,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"anchored: {anchored} of {events} events are sealed by the given seal(s)")
     else:
         print("not anchored: pass --seal HASH, a seal hash from the ledger's log")
+        if (bundle / "anchors.jsonl").exists():
+            for sent in _lines(bundle / "anchors.jsonl"):
+                print(
+                    f"the ledger says it sent seal {sent['seal']} to {sent['url']} at "
+                    f"{sent['sent_at']} (receipt {sent['receipt'][:80]!r}): ask that store "
+                    "for it, and pass the store's copy"
+                )
     return 0
 
 

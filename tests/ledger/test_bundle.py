@@ -21,9 +21,9 @@ from ledger import chain
 from ledger import views as ledger_views
 from ledger.integrity import seal_events
 from ledger.models import Capability
-from ledger.tasks import seal_new_events
+from ledger.tasks import anchor_hashes, seal_new_events
 from ledger.verify_bundle import merkle_root, sha256
-from tests.conftest import Api, person
+from tests.conftest import AnchorStore, Api, person
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -175,6 +175,42 @@ def test_a_logged_seal_anchors_the_bundle_against_a_whole_forgery(
     caught = verify(folder, logged.group(1))
     assert caught.returncode == 1
     assert f"seal {logged.group(1)[:12]} is not in this bundle's seal chain" in caught.stdout
+
+
+def test_a_bundle_reaches_the_seal_its_anchor_store_holds(
+    api: Api, refund: Capability, tmp_path: Path, anchor_store: AnchorStore, settings: Any
+) -> None:
+    """inv-1 is sealed first; the seal sent to the anchor store afterwards seals only
+    another invocation's events. The bundle of inv-1 carries the seals up to that one,
+    and says where it was sent, so that the hash the store holds anchors it."""
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    assert seal_new_events.run() == 3
+    api.intent(invocation_id="inv-2", idempotency_key="k-2")
+    assert seal_new_events.run() == 1
+    assert anchor_hashes.run() is True
+    stores_copy = anchor_store.received[-1][1]["seal"]["hash"]
+    folder = tmp_path / "bundle"
+    call_command("export_bundle", str(folder), "--invocation", "inv-1")
+
+    seals = [json.loads(line) for line in (folder / "seals.jsonl").read_text().splitlines()]
+    assert [seal["hash"] for seal in seals][-1] == stores_copy
+    assert seals[-1]["leaves"] is None  # inv-2's events are not in the bundle
+    unanchored = verify(folder).stdout.splitlines()
+    assert unanchored[2].startswith(
+        f"the ledger says it sent seal {stores_copy} to {anchor_store.url} at "
+    )
+    assert unanchored[2].endswith(
+        "(receipt 'record-1'): ask that store for it, and pass the store's copy"
+    )
+    anchored = verify(folder, stores_copy)
+    assert anchored.returncode == 0, anchored.stdout
+    assert anchored.stdout.splitlines()[1] == (
+        "anchored: 3 of 3 events are sealed by the given seal(s)"
+    )
+    (folder / "anchors.jsonl").write_text("{}\n")  # the file is in the manifest
+    assert "anchors.jsonl: sha256" in verify(folder).stdout
 
 
 def forge_everything(folder: Path) -> None:
