@@ -410,6 +410,8 @@ if LEDGER_ANCHOR_URL and not LEDGER_ANCHOR_URL.startswith(("https://", "http://"
         f"LEDGER_ANCHOR_URL must be an http(s) URL, not {LEDGER_ANCHOR_URL!r}"
     )
 LEDGER_ANCHOR_TOKEN = os.environ.get("LEDGER_ANCHOR_TOKEN", "")  # sent as a bearer token
+# CA certificates (PEM) an https store is trusted by besides certifi's bundle.
+LEDGER_ANCHOR_CA_FILE = os.environ.get("LEDGER_ANCHOR_CA_FILE", "")
 LEDGER_ANCHOR_INTERVAL_SECONDS = env_int("LEDGER_ANCHOR_INTERVAL_SECONDS", 300, minimum=1)
 # Empty: /metrics is open, like /healthz (aggregate counts, no ids or subjects).
 LEDGER_METRICS_TOKEN = os.environ.get("LEDGER_METRICS_TOKEN", "")

@@ -5,11 +5,13 @@ import json
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -326,10 +328,14 @@ class AnchorStore:
     status: int = 201
 
 
-@pytest.fixture
-def anchor_store() -> Iterator[AnchorStore]:
+@contextmanager
+def serving_anchor_store(tls: ssl.SSLContext | None = None) -> Iterator[AnchorStore]:
+    """An AnchorStore listening on 127.0.0.1, over https with `tls`."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    taken = AnchorStore(f"http://127.0.0.1:{server.server_address[1]}/anchors")
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+    scheme = "https" if tls else "http"
+    taken = AnchorStore(f"{scheme}://127.0.0.1:{server.server_address[1]}/anchors")
 
     class Takes(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
@@ -346,6 +352,14 @@ def anchor_store() -> Iterator[AnchorStore]:
 
     server.RequestHandlerClass = Takes
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield taken
-    server.shutdown()
-    server.server_close()
+    try:
+        yield taken
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def anchor_store() -> Iterator[AnchorStore]:
+    with serving_anchor_store() as store:
+        yield store

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import ssl
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
@@ -20,7 +23,7 @@ from ledger.integrity import seal_events
 from ledger.metrics import background_work
 from ledger.models import AdminAction, Anchor, Seal
 from ledger.tasks import anchor_hashes
-from tests.conftest import AnchorStore, Api, person
+from tests.conftest import AnchorStore, Api, person, serving_anchor_store
 from tests.ledger.test_metrics import scrape
 
 
@@ -186,3 +189,23 @@ def test_a_scrape_reads_three_statements_more_to_watch_the_anchoring(
     with CaptureQueriesContext(connection) as watched:
         scrape(client)
     assert len(watched) - len(unwatched) == 3
+
+
+def test_a_store_on_the_companys_own_ca_is_trusted_when_named(
+    api: Api, settings: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An internal log store's certificate is signed by the company's CA: refused,
+    and logged as such, until LEDGER_ANCHOR_CA_FILE names that CA."""
+    ca = trustme.CA()
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(tls)
+    ca.cert_pem.write_to_path(str(tmp_path / "company-ca.pem"))
+    seal = sealed(api, "inv-1")
+    with serving_anchor_store(tls) as store:
+        settings.LEDGER_ANCHOR_URL = store.url
+        assert anchor_hashes.run() is False
+        settings.LEDGER_ANCHOR_CA_FILE = str(tmp_path / "company-ca.pem")
+        assert anchor_hashes.run() is True
+    assert store.url.startswith("https://")
+    assert "ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]" in caplog.text
+    assert [body["seal"]["hash"] for _, body in store.received] == [seal.hash]
