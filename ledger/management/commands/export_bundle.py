@@ -28,5 +28,6 @@ class Command(BaseCommand):
         self.stdout.write(
             f"bundle in {folder}: {written['events']} events, {written['seals']} seals; "
             f"verify with: python -m ledger.verify_bundle {folder} --seal HASH "
-            "(HASH: a seal hash from the sealer's log)"
+            "(HASH: a seal hash from the sealer's log, or the anchor store's copy of the one "
+            "anchors.jsonl names)"
         )
