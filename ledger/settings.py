@@ -348,7 +348,12 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("LEDGER_QUEUE", "celery")
 LEDGER_PROBE_QUEUE = f"{CELERY_TASK_DEFAULT_QUEUE}.probes"
 CELERY_TASK_QUEUES = (Queue(CELERY_TASK_DEFAULT_QUEUE), Queue(LEDGER_PROBE_QUEUE))
-CELERY_TASK_ROUTES = {"reconciliation.tasks.reconcile_invocation": {"queue": LEDGER_PROBE_QUEUE}}
+# The anchoring waits on a store outside the ledger too (up to 15 s when it hangs), so
+# it goes with the probes, whose workers expect to wait, rather than delay a sweep.
+CELERY_TASK_ROUTES = {
+    "reconciliation.tasks.reconcile_invocation": {"queue": LEDGER_PROBE_QUEUE},
+    "ledger.tasks.anchor_hashes": {"queue": LEDGER_PROBE_QUEUE},
+}
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

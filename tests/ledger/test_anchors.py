@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import trustme
+from celery import current_app
+from django.conf import settings as django_settings
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection
@@ -209,3 +211,10 @@ def test_a_store_on_the_companys_own_ca_is_trusted_when_named(
     assert store.url.startswith("https://")
     assert "ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]" in caplog.text
     assert [body["seal"]["hash"] for _, body in store.received] == [seal.hash]
+
+
+def test_the_anchoring_waits_on_its_store_beside_the_probes_not_the_sweep() -> None:
+    """A store that hangs holds its job up to 15 s: on the probes' queue, whose workers
+    expect to wait, not on the one the sweep and the sealer share."""
+    routed = current_app.amqp.router.route({}, "ledger.tasks.anchor_hashes")
+    assert routed["queue"].name == django_settings.LEDGER_PROBE_QUEUE != "celery"
