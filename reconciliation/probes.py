@@ -361,9 +361,11 @@ def longest_run(config: Mapping[str, Any]) -> float:
     answer's beginning (after the waits for a connection, to connect and to send, and
     a read timeout) and its deadline (the connect and read timeouts from the start),
     then a read timeout more for the read under way. A python probe: the `timeout` its
-    configuration declares, which the callable bounds itself (0 without one)."""
+    configuration declares, and the time to record its answer (0 without one: it is
+    waited for within the lease, python_wait)."""
     if config.get("kind") == "python":
-        return float(config.get("timeout", 0))
+        declared = float(config.get("timeout", 0))
+        return declared + RECORD_SECONDS if declared else 0.0
     if config.get("kind") != "http":
         return 0.0
     connect, read = _timeouts(config)
@@ -476,31 +478,83 @@ def _bounded(seconds: Any) -> float:
     return min(max(float(seconds), 0.0), RETRY_AFTER_MAX_SECONDS)
 
 
-def python_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
+# What a claim keeps, after the wait for a python probe's answer, to record it.
+RECORD_SECONDS = 5.0
+
+
+def python_wait(config: Mapping[str, Any]) -> float:
+    """How long a python probe's answer is waited for: its declared `timeout`, or most
+    of the claim's lease (the rest to record what it found)."""
+    return float(config.get("timeout") or 0.9 * settings.LEDGER_PROBE_LEASE_SECONDS)
+
+
+def python_probe(
+    config: Mapping[str, Any], invocation: Invocation, wait: float | None = None
+) -> ProbeResult:
     dotted = config.get("callable", "")
     if dotted not in settings.LEDGER_PYTHON_PROBES:
         raise ProbeConfigError(f"{dotted!r} is not listed in LEDGER_PYTHON_PROBES")
     module, _, name = dotted.rpartition(".")
     func: Callable[[Invocation], ProbeResult] = getattr(importlib.import_module(module), name)
-    return func(invocation)
+    return _answered_within(python_wait(config) if wait is None else wait, func, invocation)
 
 
-PROBES: dict[str, Callable[[Mapping[str, Any], Invocation], ProbeResult]] = {
-    "http": http_probe,
-    "python": python_probe,
-}
+# Python probes that may run at once in a process, answered or not. A callable cannot
+# be stopped from outside: one that never returns (a business system's client library
+# without a timeout) keeps its thread. Waited for apart, it leaves the worker's thread
+# free for the next probe; counted, it cannot take a thread for every invocation.
+PYTHON_PROBES_AT_ONCE = 8
+_python_slots = threading.BoundedSemaphore(PYTHON_PROBES_AT_ONCE)
 
 
-def run(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult | None:
-    """The probe's answer; None when the capability has no probe (a person decides)."""
+def _answered_within(
+    seconds: float, func: Callable[[Invocation], ProbeResult], invocation: Invocation
+) -> ProbeResult:
+    """func(invocation), in a thread of its own, waited for `seconds`; one still running
+    then is inconclusive, and left to finish unwatched (its answer dropped)."""
+    slots = _python_slots
+    if not slots.acquire(blocking=False):
+        detail = f"not started: {PYTHON_PROBES_AT_ONCE} python probes still run in this process"
+        return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
+    answers: list[Any] = []
+
+    def answer() -> None:
+        try:
+            answers.append(func(invocation))
+        except Exception as exc:  # a probe bug is inconclusive, as run() makes it
+            answers.append(
+                ProbeResult(Finding.INCONCLUSIVE, detail=f"probe raised {type(exc).__name__}")
+            )
+        finally:
+            connections.close_all()  # this thread's, which nothing else would close
+            slots.release()
+
+    thread = threading.Thread(target=answer, name="python-probe", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive() or not answers:
+        detail = f"no answer within {seconds:g} s; the probe runs on, unwatched"
+        return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
+    return answers[0]  # type: ignore[no-any-return]
+
+
+def run(
+    config: Mapping[str, Any], invocation: Invocation, *, python_wait: float | None = None
+) -> ProbeResult | None:
+    """The probe's answer; None when the capability has no probe (a person decides). A
+    python probe is waited for `python_wait` seconds when given (a person at the
+    console waits less than a worker)."""
     kind = config.get("kind", "none")
     if kind == "none":
         return None
-    if kind not in PROBES:
+    if kind not in ("http", "python"):
         raise ProbeConfigError(f"unknown probe kind {kind!r}")
     started = time.perf_counter()
     try:
-        result = PROBES[kind](config, invocation)
+        if kind == "http":
+            result = http_probe(config, invocation)
+        else:
+            result = python_probe(config, invocation, wait=python_wait)
     except ProbeConfigError:
         raise
     except Exception as exc:  # a probe bug must not crash-loop the worker
@@ -514,40 +568,3 @@ def run(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult | None
         result = ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     duration = int((time.perf_counter() - started) * 1000)
     return replace(result, duration_ms=duration, retry_after=_bounded(result.retry_after))
-
-
-# Python probes tried from the console (reconciliation.services.probe_tried) that may
-# run at once in a web process. A callable cannot be stopped from outside: one that
-# never returns keeps its thread, and must not take one for every click.
-TRIES_AT_ONCE = 2
-_trying = threading.BoundedSemaphore(TRIES_AT_ONCE)
-
-
-def run_within(seconds: float, config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
-    """A python probe's answer, waited for `seconds`, for a person waiting at a page: a
-    callable bounds its own waits, up to the hour its configuration may declare. One
-    still running then is left to finish in its thread, unwatched and unrecorded."""
-    if not _trying.acquire(blocking=False):
-        detail = f"{TRIES_AT_ONCE} tries of python probes still run here; try again when they end"
-        return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
-    answers: list[ProbeResult | ProbeConfigError | None] = []
-
-    def tried() -> None:
-        try:
-            answers.append(run(config, invocation))
-        except ProbeConfigError as exc:
-            answers.append(exc)
-        finally:
-            connections.close_all()  # this thread's, which nothing else would close
-            _trying.release()
-
-    thread = threading.Thread(target=tried, name="probe-try", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if not answers:
-        detail = f"no answer within {seconds:g} s; the probe runs on, unwatched"
-        return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
-    if isinstance(answers[0], ProbeConfigError):
-        raise answers[0]
-    assert answers[0] is not None  # a python probe's kind
-    return answers[0]

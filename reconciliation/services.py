@@ -552,10 +552,7 @@ def probe_tried(capability: Capability, idempotency_key: str, actor: str) -> Pro
     unrecorded = Invocation(capability_scope=capability.scope, idempotency_key=idempotency_key)
     tried: ProbeResult | None = None
     try:
-        if capability.probe.get("kind") == "python":  # bounds its own waits, up to an hour
-            tried = probes.run_within(PROBE_TRY_WAIT_SECONDS, capability.probe, unrecorded)
-        else:  # an http probe: within its timeouts
-            tried = probes.run(capability.probe, unrecorded)
+        tried = probes.run(capability.probe, unrecorded, python_wait=PROBE_TRY_WAIT_SECONDS)
     finally:
         log.info(
             "probe tried capability=%s key=%r by=%s finding=%s",

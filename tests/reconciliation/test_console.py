@@ -27,7 +27,7 @@ from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence, flag_missing_evidence_of
 from ledger.shared_references import watch_shared_references
-from reconciliation import services, tasks, views
+from reconciliation import probes, services, tasks, views
 from reconciliation.forms import QueueFilterForm
 from reconciliation.probes import Finding, ProbeResult
 from reconciliation.services import (
@@ -1498,8 +1498,8 @@ def test_a_python_probe_is_tried_as_long_as_a_person_waits(
     refunds: Capability, operator: Client, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A python probe is asked about the key as an http probe is. One that does not
-    answer while a person waits is said to run on, and only two run at once in a web
-    process, however often one that never returns is tried."""
+    answer while a person waits is said to run on, and only so many run at once in a
+    web process (two here), however often one that never returns is tried."""
     url = "/audit/capabilities/refund.create/probe-try"
     finds, hangs = f"{__name__}.finds_by_key", f"{__name__}.hangs"
     settings.LEDGER_PYTHON_PROBES = [finds, hangs]
@@ -1511,6 +1511,8 @@ def test_a_python_probe_is_tried_as_long_as_a_person_waits(
 
     Capability.objects.filter(pk=refunds.pk).update(probe={"kind": "python", "callable": hangs})
     monkeypatch.setattr(services, "PROBE_TRY_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr(probes, "PYTHON_PROBES_AT_ONCE", 2)
+    monkeypatch.setattr(probes, "_python_slots", threading.BoundedSemaphore(2))
     HANGING.clear()
     try:
         tries = [
@@ -1523,10 +1525,10 @@ def test_a_python_probe_is_tried_as_long_as_a_person_waits(
         True,
         False,
     ]
-    assert "2 tries of python probes still run here; try again when they end" in tries[2]
-    wait_for(lambda: not any(thread.name == "probe-try" for thread in threading.enumerate()))
+    assert "not started: 2 python probes still run in this process" in tries[2]
+    wait_for(lambda: not any(thread.name == "python-probe" for thread in threading.enumerate()))
     again = operator.post(url, {"idempotency_key": "k-3"}).content.decode()
-    assert "<strong>inconclusive</strong>" in again and "still run here" not in again
+    assert "<strong>inconclusive</strong>" in again and "still run" not in again
 
 
 def finds_by_key(invocation: Invocation) -> ProbeResult:

@@ -870,10 +870,54 @@ def test_a_python_probe_is_claimed_for_the_timeout_it_declares(
     Capability.objects.filter(pk=refunds.pk).update(probe=config)
     now = timezone.now()
     claimed = services.invocation_claim(invocation_id="inv-1", worker="a", now=now)
-    assert claimed is not None and claimed.lease_expires_at == now + dt.timedelta(seconds=300)
+    # Its answer is waited for 300 s, and then recorded (RECORD_SECONDS).
+    assert claimed is not None and claimed.lease_expires_at == now + dt.timedelta(seconds=305)
     assert "timeout: 0 is less than or equal to the minimum of 0" in problems(
         {**config, "timeout": 0}
     )
+
+
+def test_a_python_probe_that_does_not_answer_frees_the_worker_at_its_timeout(
+    api: Api, refunds: Capability, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A business system's client library without a timeout hangs the callable: its
+    answer is waited for the timeout the probe declares, then it is inconclusive and
+    the worker's thread goes on to the next job, while the callable runs on in a
+    thread of its own. Only so many run on at once (two here): past them a python probe
+    is not started, so that one that never returns cannot take a thread per
+    invocation."""
+    config = {"kind": "python", "callable": f"{__name__}.hangs", "timeout": 0.2}
+    settings.LEDGER_PYTHON_PROBES = [config["callable"]]
+    monkeypatch.setattr(probes, "PYTHON_PROBES_AT_ONCE", 2)
+    monkeypatch.setattr(probes, "_python_slots", threading.BoundedSemaphore(2))
+    Capability.objects.filter(pk=refunds.pk).update(probe=config)
+    for n in (1, 2, 3):
+        flagged(api, f"inv-{n}", key=f"k-{n}")
+    HANGING.clear()
+    try:
+        assert [reconcile_invocation.run(f"inv-{n}") for n in (1, 2, 3)] == ["recorded"] * 3
+    finally:
+        HANGING.set()
+    details = [
+        Invocation.objects.get(invocation_id=f"inv-{n}").events.get(kind="probe_run").data
+        for n in (1, 2, 3)
+    ]
+    assert [(d["finding"], d["detail"]) for d in details] == [
+        ("inconclusive", "no answer within 0.2 s; the probe runs on, unwatched"),
+        ("inconclusive", "no answer within 0.2 s; the probe runs on, unwatched"),
+        ("inconclusive", "not started: 2 python probes still run in this process"),
+    ]
+    assert all(d["duration_ms"] < 5000 for d in details)
+    wait_for(lambda: not any(thread.name == "python-probe" for thread in threading.enumerate()))
+
+
+HANGING = threading.Event()
+
+
+def hangs(invocation: Invocation) -> probes.ProbeResult:
+    """Answers once HANGING is set, as a business system's client that waits forever."""
+    HANGING.wait(timeout=60)
+    return probes.ProbeResult(probes.Finding.PRESENT, business_reference="RF-late")
 
 
 def test_a_claim_whose_worker_is_gone_reopens_before_its_lease_runs_out(
