@@ -94,12 +94,18 @@ class Workers:
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(
-        self, *, log: Path | None = None, pool: str | None = "solo", **env: str
+        self,
+        *,
+        log: Path | None = None,
+        pool: str | None = "solo",
+        concurrency: int | None = None,
+        **env: str,
     ) -> subprocess.Popen[bytes]:
         """A worker; its log (standard error) goes to `log` if given. With no `pool`, the
         settings choose, as for a worker started by hand."""
         return self._run(
-            ["worker", *(["--pool", pool] if pool else []), "--without-gossip",
+            ["worker", *(["--pool", pool] if pool else []),
+             *(["--concurrency", str(concurrency)] if concurrency else []), "--without-gossip",
              "--without-mingle", "--without-heartbeat", "-n", f"w{len(self.processes)}@%h"],
             log, env,
         )  # fmt: skip

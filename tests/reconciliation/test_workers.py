@@ -543,3 +543,35 @@ def test_beat_sends_each_new_seal_to_the_store(
     newest = Seal.objects.order_by("-last_sequence").first()
     assert newest is not None
     wait_for(lambda: any(body["seal"]["hash"] == newest.hash for _, body in anchor_store.received))
+
+
+def test_python_probes_that_never_answer_leave_the_workers_threads_to_other_probes(
+    api: Api, refunds: Capability, standin: StandInService, workers: Workers
+) -> None:
+    """A real worker with two threads: two invocations whose python probe hangs (its
+    business system's client has no timeout) are inconclusive at the probe's 1 s, and
+    the refund probed over http after them is found. Before, each hung probe held a
+    thread until it returned, and nothing else was probed on that worker."""
+    hangs = "tests.reconciliation.test_reconcile.hangs"
+    registered("hr.employee.update")
+    Capability.objects.filter(scope="hr.employee.update").update(
+        probe={"kind": "python", "callable": hangs, "timeout": 1}
+    )
+    for n in (1, 2):
+        api.intent(
+            invocation_id=f"hr-{n}", capability="hr.employee.update", idempotency_key=f"hr-{n}",
+            attempt_id="a1",
+        )  # fmt: skip
+        api.outcome(f"hr-{n}", "a1", kind="post_dispatch_evidence_failed")
+    api.intent(invocation_id="inv-1", idempotency_key="refund-SO-1", attempt_id="a1")
+    perform_refund(standin, "refund-SO-1")
+    api.outcome("inv-1", "a1", kind="post_dispatch_evidence_failed")
+    workers.start(pool="threads", concurrency=2, LEDGER_PYTHON_PROBES=hangs)
+    for invocation_id in ("hr-1", "hr-2", "inv-1"):
+        reconcile_invocation.delay(invocation_id)
+    wait_for(lambda: status_of("inv-1") == "succeeded", seconds=30)
+    hung = Event.objects.filter(kind="probe_run", invocation__invocation_id__startswith="hr-")
+    assert (
+        sorted(hung.values_list("data__detail", flat=True))
+        == ["no answer within 1 s; the probe runs on, unwatched"] * 2
+    )
