@@ -5,7 +5,7 @@ A probe never dispatches a business operation. It is configured per capability
 
     {"kind": "none"}                                   escalate to a person at once
     {"kind": "python", "callable": "pkg.module.func"}  allow-listed in LEDGER_PYTHON_PROBES
-                                                       (with "timeout": its claim's length)
+                                                       ("timeout": how long it is waited for)
     {"kind": "http",
      "url": "https://pay.example/refunds?idempotency_key={idempotency_key}",
      "headers": {"Authorization": "Bearer {secret:PAYMENTS}"},

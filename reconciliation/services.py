@@ -149,9 +149,10 @@ def invocation_claim(
 
 
 def probe_lease(invocation: Invocation) -> dt.timedelta:
-    """LEDGER_PROBE_LEASE_SECONDS, or longer for an http probe that may take longer: a
-    lease running out under a probe still waiting for its answer would send a second
-    probe beside it, and count a hung worker where there was none."""
+    """LEDGER_PROBE_LEASE_SECONDS, or longer for a probe that may take longer (an http
+    probe's timeouts, a python probe's declared one): a lease running out under a probe
+    still waiting for its answer would send a second probe beside it, and count a hung
+    worker where there was none."""
     capability = invocation.probed_by()
     longest = probes.longest_run(capability.probe) if capability else 0.0
     return dt.timedelta(seconds=max(settings.LEDGER_PROBE_LEASE_SECONDS, longest))
