@@ -496,7 +496,8 @@ def python_probe(
         raise ProbeConfigError(f"{dotted!r} is not listed in LEDGER_PYTHON_PROBES")
     module, _, name = dotted.rpartition(".")
     func: Callable[[Invocation], ProbeResult] = getattr(importlib.import_module(module), name)
-    return _answered_within(python_wait(config) if wait is None else wait, func, invocation)
+    limit = python_wait(config) if wait is None else min(wait, python_wait(config))
+    return _answered_within(limit, func, invocation)
 
 
 # Python probes that may run at once in a process, answered or not. A callable cannot
@@ -542,8 +543,8 @@ def run(
     config: Mapping[str, Any], invocation: Invocation, *, python_wait: float | None = None
 ) -> ProbeResult | None:
     """The probe's answer; None when the capability has no probe (a person decides). A
-    python probe is waited for `python_wait` seconds when given (a person at the
-    console waits less than a worker)."""
+    python probe is waited for at most `python_wait` seconds when given (a person at
+    the console waits less than a worker)."""
     kind = config.get("kind", "none")
     if kind == "none":
         return None

@@ -911,6 +911,22 @@ def test_a_python_probe_that_does_not_answer_frees_the_worker_at_its_timeout(
     wait_for(lambda: not any(thread.name == "python-probe" for thread in threading.enumerate()))
 
 
+def test_a_python_probe_is_waited_for_no_longer_than_it_declares(
+    api: Api, refunds: Capability, settings: Any
+) -> None:
+    """The console waits up to 30 s for a try; a probe declaring 0.1 s is waited for
+    0.1 s, as a worker waits for it."""
+    config = {"kind": "python", "callable": f"{__name__}.hangs", "timeout": 0.1}
+    settings.LEDGER_PYTHON_PROBES = [config["callable"]]
+    HANGING.clear()
+    try:
+        result = probes.run(config, flagged(api), python_wait=30)
+    finally:
+        HANGING.set()
+    assert result is not None and result.duration_ms < 5000
+    assert result.detail == "no answer within 0.1 s; the probe runs on, unwatched"
+
+
 HANGING = threading.Event()
 
 
