@@ -989,16 +989,23 @@ def test_a_probe_job_holds_the_lock_while_it_probes_and_lets_go_however_it_ends(
     assert services.without_probe_lock(["inv-2"]) == {"inv-2"}
 
 
+# Sessions a test holds the probe lock in: not the job's.
+NOT_THE_JOBS: list[int] = []
+
+
 def sees_its_lock_held(invocation: Invocation) -> probes.ProbeResult:
-    """Whether the job's own session holds the invocation's probe lock as it probes."""
+    """Whether the job's session holds the invocation's probe lock as it is probed. A
+    python probe runs in a thread, and so a database session, of its own: the job's is
+    any other but those the test holds it in (NOT_THE_JOBS)."""
     with connection.cursor() as cursor:
         cursor.execute(
             """
             SELECT count(*) FROM pg_locks
-            WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()
+            WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()
+              AND NOT pid = ANY(%s)
               AND objsubid = 2 AND classid = hashtext(%s)::oid AND objid = hashtext(%s)::oid
             """,
-            [services.PROBE_LOCKS, invocation.invocation_id],
+            [NOT_THE_JOBS, services.PROBE_LOCKS, invocation.invocation_id],
         )
         (held,) = cursor.fetchone()
     return probes.ProbeResult(
@@ -1056,7 +1063,11 @@ def test_a_probe_job_whose_lock_another_session_keeps_still_claims_and_probes(
         other.execute(
             "SELECT pg_advisory_lock(hashtext(%s), hashtext('inv-1'))", [services.PROBE_LOCKS]
         )
-        assert reconcile_invocation.run("inv-1") == "recorded"
+        NOT_THE_JOBS[:] = [other.info.backend_pid]
+        try:
+            assert reconcile_invocation.run("inv-1") == "recorded"
+        finally:
+            NOT_THE_JOBS.clear()
         assert services.without_probe_lock(["inv-1"]) == set()  # still the other's
     probe_run = Invocation.objects.get().events.get(kind="probe_run")
     assert probe_run.data["detail"] == "lock not held"
