@@ -136,6 +136,11 @@ def newest() -> Anchor | None:
     return Anchor.objects.order_by("-id").first()
 
 
+def sent(count: int) -> list[Anchor]:
+    """The last `count` anchors, newest first, with their seals."""
+    return list(Anchor.objects.select_related("seal").order_by("-id")[:count])
+
+
 def not_held(hashes: list[str]) -> list[str]:
     """The hashes, kept outside the database, that no seal or action in it has. The
     chains' own checks (ledger.integrity.verify) say whether what it holds leads to

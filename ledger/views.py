@@ -337,6 +337,10 @@ def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
     return render(request, "ledger/capability.html", context)
 
 
+# Anchors the Verify page lists.
+ANCHORS_SHOWN = 20
+
+
 @require_GET
 @role_required(*READERS)
 def audit_verify(request: HttpRequest) -> HttpResponse:
@@ -367,5 +371,6 @@ def audit_verify(request: HttpRequest) -> HttpResponse:
         "running": running,
         "finished": finished,
         "anchor": anchors.newest() if report and report.ok else None,
+        "anchors": anchors.sent(ANCHORS_SHOWN),
     }
     return render(request, "ledger/verify.html", context)

@@ -167,7 +167,7 @@ def test_verify_ledger_says_whether_the_ledger_still_holds_the_hashes_kept_outsi
     )
 
 
-def test_the_verify_page_shows_the_newest_anchor(
+def test_the_verify_page_shows_the_newest_anchor_and_lists_those_sent(
     api: Api, anchor_store: AnchorStore, settings: Any
 ) -> None:
     settings.LEDGER_ANCHOR_URL = anchor_store.url
@@ -178,6 +178,13 @@ def test_the_verify_page_shows_the_newest_anchor(
     page = reviewer.get("/audit/verify/", {"run": "1"}).content.decode()
     assert f"Newest anchor: seal <code>{seal.hash}</code>" in page
     assert f"sent to {anchor_store.url} at " in page and "<code>record-1</code>" in page
+    second = sealed(api, "inv-2")
+    assert anchor_hashes.run() is True
+    listed = reviewer.get("/audit/verify/").content.decode()  # listed without a check run
+    rows = listed.split('id="anchors"')[1].split("<tbody>")[1].split("</tbody>")[0]
+    assert rows.index(second.hash) < rows.index(seal.hash)  # newest first
+    assert f"<td>{second.first_sequence}\u2013{second.last_sequence}</td>" in rows  # en dash
+    assert "<code>record-2</code>" in rows
 
 
 def test_a_scrape_reads_three_statements_more_to_watch_the_anchoring(
