@@ -32,6 +32,7 @@ import email.utils
 import hashlib
 import http.cookiejar
 import importlib
+import logging
 import os
 import re
 import ssl
@@ -50,6 +51,8 @@ from django.db import connections
 
 from ledger.models import Invocation
 from ledger.probe_config import SECRET, UNIDENTIFIED, URL_PLACEHOLDERS, identifies
+
+log = logging.getLogger(__name__)
 
 
 class Finding(StrEnum):
@@ -512,30 +515,44 @@ def _answered_within(
     seconds: float, func: Callable[[Invocation], ProbeResult], invocation: Invocation
 ) -> ProbeResult:
     """func(invocation), in a thread of its own, waited for `seconds`; one still running
-    then is inconclusive, and left to finish unwatched (its answer dropped)."""
+    then is inconclusive, and left to finish unwatched: its answer is dropped, and
+    logged, so that whoever set the probe's timeout sees it is too short."""
     slots = _python_slots
     if not slots.acquire(blocking=False):
         detail = f"not started: {PYTHON_PROBES_AT_ONCE} python probes still run in this process"
         return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     answers: list[Any] = []
+    given_up: list[bool] = []  # by the waiter; decided under `deciding`, with `answers`
+    deciding = threading.Lock()
+    started = time.monotonic()
 
     def answer() -> None:
         try:
-            answers.append(func(invocation))
+            found = func(invocation)
         except Exception as exc:  # a probe bug is inconclusive, as run() makes it
-            answers.append(
-                ProbeResult(Finding.INCONCLUSIVE, detail=f"probe raised {type(exc).__name__}")
-            )
+            found = ProbeResult(Finding.INCONCLUSIVE, detail=f"probe raised {type(exc).__name__}")
         finally:
             connections.close_all()  # this thread's, which nothing else would close
             slots.release()
+        with deciding:
+            answers.append(found)
+            late = bool(given_up)
+        if late:
+            log.warning(
+                "python probe answered after its wait invocation=%s waited=%gs took=%.1fs "
+                "finding=%s",
+                invocation.invocation_id or "-", seconds, time.monotonic() - started,
+                getattr(found, "finding", "?"),
+            )  # fmt: skip
 
     thread = threading.Thread(target=answer, name="python-probe", daemon=True)
     thread.start()
     thread.join(seconds)
-    if thread.is_alive() or not answers:
-        detail = f"no answer within {seconds:g} s; the probe runs on, unwatched"
-        return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
+    with deciding:
+        if not answers:
+            given_up.append(True)
+            detail = f"no answer within {seconds:g} s; the probe runs on, unwatched"
+            return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     return answers[0]  # type: ignore[no-any-return]
 
 

@@ -912,10 +912,11 @@ def test_a_python_probe_that_does_not_answer_frees_the_worker_at_its_timeout(
 
 
 def test_a_python_probe_is_waited_for_no_longer_than_it_declares(
-    api: Api, refunds: Capability, settings: Any
+    api: Api, refunds: Capability, settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The console waits up to 30 s for a try; a probe declaring 0.1 s is waited for
-    0.1 s, as a worker waits for it."""
+    0.1 s, as a worker waits for it. Its answer, when it comes, is logged and dropped:
+    whoever set the timeout sees it is too short."""
     config = {"kind": "python", "callable": f"{__name__}.hangs", "timeout": 0.1}
     settings.LEDGER_PYTHON_PROBES = [config["callable"]]
     HANGING.clear()
@@ -925,6 +926,9 @@ def test_a_python_probe_is_waited_for_no_longer_than_it_declares(
         HANGING.set()
     assert result is not None and result.duration_ms < 5000
     assert result.detail == "no answer within 0.1 s; the probe runs on, unwatched"
+    late = "python probe answered after its wait invocation=inv-1 waited=0.1s took="
+    wait_for(lambda: late in caplog.text)
+    assert "finding=effect_present" in caplog.text.split(late)[1].splitlines()[0]
 
 
 HANGING = threading.Event()
