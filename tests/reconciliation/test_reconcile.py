@@ -400,8 +400,14 @@ class CompanyCA:
     ca_file: str
     tls: ssl.SSLContext
 
-    def payments(self, tmp_path: Path) -> StandInService:
-        return StandInService(tmp_path / "payments.sqlite3", tls=self.tls).start()
+    @contextmanager
+    def payments(self, tmp_path: Path) -> Iterator[StandInService]:
+        """The payments stand-in, served over https with this CA's certificate."""
+        payments = StandInService(tmp_path / "payments.sqlite3", tls=self.tls).start()
+        try:
+            yield payments
+        finally:
+            payments.stop()
 
     def requiring_client_certificates(self) -> None:
         """The business system lets in only clients whose certificate this CA signed."""
@@ -437,8 +443,7 @@ def test_an_https_probe_trusts_the_companys_own_ca_when_named(
     """A business system whose certificate the company's own CA signed: unverified (and
     so inconclusive) until LEDGER_PROBE_CA_FILE names that CA, then read; a CA file
     that cannot be read is a misconfiguration, named."""
-    payments = company_ca.payments(tmp_path)
-    try:
+    with company_ca.payments(tmp_path) as payments:
         invocation = flagged(api)
         config = asked_at(payments, refunds)
         assert config["url"].startswith("https://127.0.0.1:")
@@ -450,8 +455,6 @@ def test_an_https_probe_trusts_the_companys_own_ca_when_named(
             pytest.raises(probes.ProbeConfigError, match=r"LEDGER_PROBE_CA_FILE '.*missing\.pem'"),
         ):
             probes.run(config, invocation)
-    finally:
-        payments.stop()
     assert unverified is not None and trusted is not None
     assert unverified.finding is probes.Finding.INCONCLUSIVE
     assert unverified.detail.startswith("ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]")
@@ -466,8 +469,7 @@ def test_an_https_probe_shows_its_certificate_to_a_business_system_that_asks(
     (inconclusive, never "absent"); with it, it is answered."""
     company_ca.requiring_client_certificates()
     client_cert = client_certificate(company_ca.ca, tmp_path / "probes.pem")
-    payments = company_ca.payments(tmp_path)
-    try:
+    with company_ca.payments(tmp_path) as payments:
         invocation = flagged(api)
         config = asked_at(payments, refunds)
         with override_settings(LEDGER_PROBE_CA_FILE=company_ca.ca_file):
@@ -479,8 +481,6 @@ def test_an_https_probe_shows_its_certificate_to_a_business_system_that_asks(
                 pytest.raises(probes.ProbeConfigError, match="LEDGER_PROBE_CLIENT_CERT"),
             ):
                 probes.run(config, invocation)  # a certificate without its key
-    finally:
-        payments.stop()
     assert turned_away is not None and let_in is not None
     assert turned_away.finding is probes.Finding.INCONCLUSIVE
     assert let_in.finding is probes.Finding.ABSENT
@@ -502,10 +502,9 @@ def test_each_business_system_is_shown_its_own_certificate(
         },
         "LEDGER_PROBE_CLIENT_CERT": client_certificate(
             trustme.CA(), tmp_path / "hr-client.pem"
-        ),  # the HR system's,
+        ),  # the HR system's
     }
-    payments = company_ca.payments(tmp_path)
-    try:
+    with company_ca.payments(tmp_path) as payments:
         invocation = flagged(api)
         config = asked_at(payments, refunds)
         with override_settings(**named):
@@ -519,8 +518,6 @@ def test_each_business_system_is_shown_its_own_certificate(
                 "LEDGER_PROBE_CLIENT_CERT_HR",
             ):
                 probes.run({**config, "tls": "HR"}, invocation)
-    finally:
-        payments.stop()
     assert unnamed is not None and shown_the_other is not None and own is not None
     assert unnamed.detail.startswith("ConnectError: [SSL: CERTIFICATE_VERIFY_FAILED]")
     assert shown_the_other.finding is probes.Finding.INCONCLUSIVE
@@ -537,8 +534,7 @@ def test_a_client_certificate_renewed_in_place_is_shown_at_the_next_probe(
     company_ca.requiring_client_certificates()
     client_cert = tmp_path / "probes.pem"
     client_certificate(trustme.CA(), client_cert)  # another CA's: not let in
-    payments = company_ca.payments(tmp_path)
-    try:
+    with company_ca.payments(tmp_path) as payments:
         invocation = flagged(api)
         config = asked_at(payments, refunds)
         tls = {"LEDGER_PROBE_CA_FILE": company_ca.ca_file, "LEDGER_PROBE_CLIENT_CERT": client_cert}
@@ -546,8 +542,6 @@ def test_a_client_certificate_renewed_in_place_is_shown_at_the_next_probe(
             before = probes.run(config, invocation)
             client_certificate(company_ca.ca, client_cert)  # renewed by the company's CA
             after = probes.run(config, invocation)
-    finally:
-        payments.stop()
     assert before is not None and after is not None
     assert before.finding is probes.Finding.INCONCLUSIVE
     assert after.finding is probes.Finding.ABSENT
