@@ -81,8 +81,8 @@ SCHEMA: dict[str, Any] = {
                 "properties": {
                     "kind": True,
                     "callable": {"type": "string", "pattern": r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)+$"},
-                    # The longest the callable may take, which it bounds itself: its
-                    # claim lasts that long (reconciliation.probes.longest_run).
+                    # How long its answer is waited for; its claim lasts that long
+                    # and the time to record it (reconciliation.probes.longest_run).
                     "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
                 },
                 "additionalProperties": False,

@@ -39,12 +39,14 @@ import ssl
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import httpcore
 import httpx
 from django.conf import settings
 from django.db import connections
@@ -257,10 +259,12 @@ def _http_client(tls: TlsFiles) -> httpx.Client:
         for stale in [built for built in clients if built.paths == tls.paths]:
             clients.pop(stale).close()
         no_cookies = http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
-        clients[tls] = httpx.Client(
-            follow_redirects=False,
-            cookies=http.cookiejar.CookieJar(policy=no_cookies),
-            verify=_tls_context(tls),
+        clients[tls] = _reading_by_deadline(
+            httpx.Client(
+                follow_redirects=False,
+                cookies=http.cookiejar.CookieJar(policy=no_cookies),
+                verify=_tls_context(tls),
+            )
         )
     return clients[tls]
 
@@ -332,11 +336,9 @@ class _Decoder:
             raise UnreadAnswer(f"answer's {self.encoding} stream ends early")
 
 
-def read_answer(response: httpx.Response, *, deadline: float) -> bytes:
-    """The body, decoded and read whole by `deadline` (the probe's connect and read
-    timeouts added) and within ANSWER_MAX_BYTES. httpx's read timeout bounds each read
-    alone: a business system sending a byte at a time could hold the probe, and its
-    worker's thread, for as long as it liked."""
+def read_answer(response: httpx.Response) -> bytes:
+    """The body, decoded, within ANSWER_MAX_BYTES (its reads keep the probe's deadline,
+    _DeadlineStream)."""
     declared = response.headers.get("content-length", "")
     if declared.isdecimal() and int(declared) > ANSWER_MAX_BYTES:
         raise UnreadAnswer(f"answer of {declared} bytes, over {ANSWER_MAX_BYTES}")
@@ -344,14 +346,107 @@ def read_answer(response: httpx.Response, *, deadline: float) -> bytes:
     body = bytearray()
     for chunk in response.iter_raw():
         body += decoder.decode(chunk, room=ANSWER_MAX_BYTES - len(body))
-        if time.monotonic() > deadline:
-            raise UnreadAnswer("answer not finished within the connect and read timeouts")
     decoder.finish()
     return bytes(body)
 
 
+# When this thread's http probe must have its whole answer (its connect and read
+# timeouts from its start); None while no probe is asking.
+_answer_deadline: ContextVar[float | None] = ContextVar("answer_deadline", default=None)
+ANSWER_LATE = "answer not finished within the connect and read timeouts"
+
+
+def _until_deadline(timeout: float | None) -> float | None:
+    """A read's timeout, no later than the probe's deadline; past it, a read timeout."""
+    deadline = _answer_deadline.get()
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise httpcore.ReadTimeout(ANSWER_LATE)
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every read, of the status line and headers as of the body,
+    ends by the probe's deadline. httpx's read timeout bounds each read alone: a
+    business system sending a byte at a time could hold the probe, and its worker's
+    thread, for as long as it liked."""
+
+    def __init__(self, stream: httpcore.NetworkStream) -> None:
+        self._stream = stream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        try:
+            return self._stream.read(max_bytes, _until_deadline(timeout))
+        except httpcore.ReadTimeout:
+            _until_deadline(None)  # the deadline's timeout, if it is what ran out
+            raise
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's connections, each a _DeadlineStream."""
+
+    def __init__(self, backend: httpcore.NetworkBackend) -> None:
+        self._backend = backend
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.NetworkStream:
+        stream = self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _DeadlineStream(stream)
+
+    def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._backend.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+def _reading_by_deadline(client: httpx.Client) -> httpx.Client:
+    """The client, its connections (direct, and through the proxies the environment
+    names) read by the probe's deadline. httpx has no timeout for a whole request and
+    takes no network backend, so the backend is given to its transports' connection
+    pools (httpx 0.28 and httpcore 1.0, pinned in uv.lock: the tests of answers
+    trickled a byte at a time fail if this stops reaching them)."""
+    for transport in (client._transport, *client._mounts.values()):
+        pool = getattr(transport, "_pool", None)
+        if isinstance(pool, httpcore.ConnectionPool):
+            pool._network_backend = _DeadlineBackend(pool._network_backend)
+    return client
+
+
 # How long an http probe waits for a connection of its client's and to send its request.
 SEND_SECONDS = 5.0
+# What a claim keeps, after a probe's answer (or the wait for it), to record it.
+RECORD_SECONDS = 5.0
 
 
 def _timeouts(config: Mapping[str, Any]) -> tuple[float, float]:
@@ -360,19 +455,19 @@ def _timeouts(config: Mapping[str, Any]) -> tuple[float, float]:
 
 
 def longest_run(config: Mapping[str, Any]) -> float:
-    """The longest a probe can take, in seconds. An http probe: until the later of its
-    answer's beginning (after the waits for a connection, to connect and to send, and
-    a read timeout) and its deadline (the connect and read timeouts from the start),
-    then a read timeout more for the read under way. A python probe: the `timeout` its
-    configuration declares, and the time to record its answer (0 without one: it is
-    waited for within the lease, python_wait)."""
+    """The longest a probe can take, in seconds, and the time to record its answer. An
+    http probe: its request sent (the waits for a connection, to connect, for the TLS
+    handshake and to send) or its deadline (its connect and read timeouts from its
+    start, which every read keeps), whichever is later. A python probe: the `timeout`
+    its configuration declares (0 without one: it is waited for within the lease,
+    python_wait)."""
     if config.get("kind") == "python":
         declared = float(config.get("timeout", 0))
         return declared + RECORD_SECONDS if declared else 0.0
     if config.get("kind") != "http":
         return 0.0
     connect, read = _timeouts(config)
-    return 2 * SEND_SECONDS + connect + 2 * read
+    return max(2 * SEND_SECONDS + 2 * connect, connect + read) + RECORD_SECONDS
 
 
 def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult:
@@ -396,13 +491,12 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
         }
     )
     headers.update(_secret_headers(config.get("headers", {})))
-    deadline = time.monotonic() + connect + read
+    client = _http_client(tls_files(config))
+    deadline = _answer_deadline.set(time.monotonic() + connect + read)
     try:
-        with _http_client(tls_files(config)).stream(
-            "GET", url, headers=headers, timeout=timeout
-        ) as streamed:
+        with client.stream("GET", url, headers=headers, timeout=timeout) as streamed:
             summary["status"] = streamed.status_code
-            body = read_answer(streamed, deadline=deadline)
+            body = read_answer(streamed)
     except httpx.HTTPError as exc:
         # The reason as the network gave it ("Connection refused", "certificate verify
         # failed: …"): what an operator needs to tell a down system from a wrong CA.
@@ -410,6 +504,8 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
         return ProbeResult(Finding.INCONCLUSIVE, detail=reason[:200], summary=summary)
     except UnreadAnswer as exc:
         return ProbeResult(Finding.INCONCLUSIVE, detail=str(exc), summary=summary)
+    finally:
+        _answer_deadline.reset(deadline)
     decoded_headers = [
         (name, value)
         for name, value in streamed.headers.multi_items()
@@ -479,10 +575,6 @@ def _bounded(seconds: Any) -> float:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds != seconds:
         return 0.0
     return min(max(float(seconds), 0.0), RETRY_AFTER_MAX_SECONDS)
-
-
-# What a claim keeps, after the wait for a python probe's answer, to record it.
-RECORD_SECONDS = 5.0
 
 
 def python_wait(config: Mapping[str, Any]) -> float:

@@ -6,11 +6,11 @@ probe needs — at `/refunds` (404 when there is none) or, as a search API answe
 `/refunds/search` (200 with a list, empty when there is none). State lives in a
 SQLite file, so several processes and restarts see the same refunds. For fault
 drills the lookup can be switched to answer slowly, with 5xx, with 429 and a
-Retry-After, with a malformed body, with a redirect, a byte at a time (trickle),
-with two megabytes (huge), with a body that never ends (endless), compressed as a
-web server with compression on would (gzip, deflate, deflate_raw), twice over
-(stacked), or as a few kilobytes of gzip that inflate past 64 MiB (gzip_bomb)
-(`POST /_control`).
+Retry-After, with a malformed body, with a redirect, a byte at a time (trickle; its
+status line and headers alone: trickle_head), with two megabytes (huge), with a body
+that never ends (endless), compressed as a web server with compression on would
+(gzip, deflate, deflate_raw), twice over (stacked), or as a few kilobytes of gzip
+that inflate past 64 MiB (gzip_bomb) (`POST /_control`).
 
     python manage.py standin_service --port 9100
 """
@@ -43,6 +43,7 @@ LOOKUP_MODES = (
     "malformed",
     "redirect",
     "trickle",
+    "trickle_head",
     "huge",
     "endless",
     *ENCODED_MODES,
@@ -96,6 +97,8 @@ class Refunds:
         # Lookups this process has started answering: lets a fault drill wait until a
         # probe is really inside the business system.
         self.lookups_started = 0
+        # Answers trickled head first whose prober hung up before their head was sent.
+        self.heads_cut = 0
         # The Content-Encoding of each answer in an encoded mode (None: sent plain).
         self.encodings_sent: list[str | None] = []
         with self._db() as db:
@@ -207,6 +210,8 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
             try:
                 if mode == "trickle":
                     self.trickle(200, refund) if refund else self.trickle(404, NO_REFUND)
+                elif mode == "trickle_head":
+                    self.trickle_head(200, refund) if refund else self.trickle_head(404, NO_REFUND)
                 elif mode == "endless":
                     self.endless()
                 elif mode in ENCODED_MODES:
@@ -228,6 +233,24 @@ def handler_for(refunds: Refunds, slow_seconds: float) -> type[BaseHTTPRequestHa
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
+            self.send_slowly(raw)
+
+        def trickle_head(self, status: int, body: Any) -> None:
+            """The status line and headers a byte at a time, then the body at once."""
+            raw = json.dumps(body).encode()
+            head = (
+                f"{self.protocol_version} {status} {HTTPStatus(status).phrase}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+            )
+            try:
+                self.send_slowly(head.encode())
+            except (BrokenPipeError, ConnectionResetError):
+                with refunds.lock:
+                    refunds.heads_cut += 1
+                raise
+            self.wfile.write(raw)
+
+        def send_slowly(self, raw: bytes) -> None:
             for byte in raw:
                 self.wfile.write(bytes([byte]))
                 self.wfile.flush()

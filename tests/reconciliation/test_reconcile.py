@@ -10,7 +10,6 @@ import importlib
 import json
 import ssl
 import threading
-import time
 import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -211,7 +210,7 @@ def test_a_probe_that_times_out_or_cannot_connect_is_inconclusive(
 @pytest.mark.parametrize(
     ("mode", "detail"),
     [
-        ("trickle", "answer not finished within the connect and read timeouts"),
+        ("trickle", f"ReadTimeout: {probes.ANSWER_LATE}"),
         ("huge", f"answer of {HUGE_BYTES} bytes, over {probes.ANSWER_MAX_BYTES}"),
         ("endless", f"answer over {probes.ANSWER_MAX_BYTES} bytes"),
     ],
@@ -230,6 +229,54 @@ def test_an_answer_too_slow_to_finish_or_too_long_is_inconclusive_unread(
     assert result is not None
     assert (result.finding, result.detail) == (probes.Finding.INCONCLUSIVE, detail)
     assert result.summary["status"] == 200
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off_at_the_probes_deadline(
+    api: Api, refunds: Capability, standin: StandInService
+) -> None:
+    """httpx's read timeout bounds each read of the status line and headers too: sent
+    a byte every 0.2 s, the stand-in's head would take 16 s, and before the answer's
+    body was read nothing looked at the probe's deadline. Now the probe hangs up at it
+    (1 s), before the head is sent."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    standin.refunds.set_mode("trickle_head")
+    config = {**refunds.probe, "connect_timeout": 0.5, "read_timeout": 0.5}
+    result = probes.run(config, invocation)
+    assert result is not None
+    assert (result.finding, result.detail) == (
+        probes.Finding.INCONCLUSIVE,
+        f"ReadTimeout: {probes.ANSWER_LATE}",
+    )
+    wait_for(lambda: standin.refunds.heads_cut == 1)
+
+
+def test_a_probe_through_the_proxy_the_environment_names_keeps_its_deadline_too(
+    api: Api, refunds: Capability, standin: StandInService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probes go through HTTP_PROXY, as httpx's requests do, on connections of their
+    own: the stand-in, as that proxy, answers the request for the business system
+    itself, its head a byte at a time."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    standin.refunds.set_mode("trickle_head")
+    monkeypatch.setenv("HTTP_PROXY", standin.url)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    config = {
+        **refunds.probe,
+        "url": "http://payments.invalid/refunds?idempotency_key={idempotency_key}",
+        "connect_timeout": 0.5,
+        "read_timeout": 0.5,
+    }
+    # A thread's first probe builds its client, which reads the environment then.
+    results: list[probes.ProbeResult | None] = []
+    asking = threading.Thread(target=lambda: results.append(probes.run(config, invocation)))
+    asking.start()
+    asking.join()
+    assert [(r and r.finding, r and r.detail) for r in results] == [
+        (probes.Finding.INCONCLUSIVE, f"ReadTimeout: {probes.ANSWER_LATE}")
+    ]
+    wait_for(lambda: standin.refunds.heads_cut == 1)
 
 
 @pytest.mark.parametrize("mode", ["gzip", "deflate", "deflate_raw"])
@@ -297,10 +344,9 @@ def test_a_compressed_answer_cut_short_is_unread() -> None:
         200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(whole[:-8])
     )
     with pytest.raises(probes.UnreadAnswer, match="answer's gzip stream ends early"):
-        probes.read_answer(cut, deadline=time.monotonic() + 5)
+        probes.read_answer(cut)
     read = probes.read_answer(
-        httpx.Response(200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(whole)),
-        deadline=time.monotonic() + 5,
+        httpx.Response(200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(whole))
     )
     assert json.loads(read)["id"] == "re_1"
 
@@ -844,10 +890,9 @@ def test_a_probe_that_may_take_longer_than_the_lease_is_claimed_for_as_long_as_i
     slow = services.invocation_claim(invocation_id="inv-2", worker="a", now=now)
     assert quick is not None and slow is not None
     assert quick.lease_expires_at == now + dt.timedelta(seconds=60)  # LEDGER_PROBE_LEASE_SECONDS
-    # To connect and send (5 + 3 + 5 s), then two read timeouts (an answer that begins
-    # just before its deadline, and the read under way then).
-    assert slow.lease_expires_at == now + dt.timedelta(seconds=133)
-    assert sweeper.expire_leases(now=now + dt.timedelta(seconds=132)) == 1
+    # Its deadline (3 + 60 s: every read keeps it), and 5 s to record its answer.
+    assert slow.lease_expires_at == now + dt.timedelta(seconds=68)
+    assert sweeper.expire_leases(now=now + dt.timedelta(seconds=67)) == 1
     assert Invocation.objects.get(invocation_id="inv-1").status == "reconciliation_required"
     assert Invocation.objects.get(invocation_id="inv-2").status == "reconciling"
 
