@@ -364,6 +364,8 @@ def invocation_context(request: HttpRequest, invocation: Invocation) -> dict[str
     return {
         "references": business_references(invocation, recorded),
         "invocation": invocation,
+        # An attempt awaiting its outcome past its deadline, not yet flagged.
+        "overdue": invocation.deadline_at is not None and invocation.deadline_at <= timezone.now(),
         "arguments": as_json(invocation.arguments),
         "has_probe": has_probe(invocation),
         "state": state,

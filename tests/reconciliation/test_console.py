@@ -27,6 +27,7 @@ from ledger.models import Capability, Event, Invocation
 from ledger.rate_limits import watch_rate_limits
 from ledger.services import flag_missing_evidence, flag_missing_evidence_of
 from ledger.shared_references import watch_shared_references
+from ledger.templatetags.console import ahead
 from reconciliation import probes, services, tasks, views
 from reconciliation.forms import QueueFilterForm
 from reconciliation.probes import Finding, ProbeResult
@@ -556,6 +557,26 @@ def test_resolving_a_settled_invocation_is_refused_with_a_message(
     response = operator.post("/invocations/inv-1/resolve", form, follow=True)
     assert "nothing to resolve" in response.content.decode()
     assert Invocation.objects.get().event_count == settled.event_count
+
+
+def test_an_invocation_awaiting_its_outcome_says_when_it_will_be_flagged(
+    api: Api, refund: Capability, operator: Client
+) -> None:
+    """An operator asked about an in-flight call sees by when the runtime must report
+    before the ledger flags it (its timeout and grace after admission), and that the
+    sweep will once that is past."""
+    api.intent(attempt_id="a1")
+    deadline = Invocation.objects.get().deadline_at
+    assert deadline is not None
+    when = timezone.localtime(deadline).strftime("%Y-%m-%d %H:%M:%S")
+    page = operator.get("/invocations/inv-1/").content.decode()
+    assert "flagged unless its outcome comes by</dt><dd><time datetime=" in page
+    assert f"{when} UTC</time> (in {ahead(deadline)})" in page
+    Invocation.objects.update(deadline_at=deadline - dt.timedelta(minutes=5))
+    page = operator.get("/invocations/inv-1/").content.decode()
+    assert "(past: the sweep flags it at its next run)" in page
+    assert flag_missing_evidence(invocation_id="inv-1", now=deadline)
+    assert "flagged unless" not in operator.get("/invocations/inv-1/").content.decode()
 
 
 def test_a_web_process_sends_the_consoles_probe_job_where_the_workers_read(
