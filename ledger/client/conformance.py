@@ -97,7 +97,7 @@ def run(
         return passed
 
     def persist_intent() -> str:
-        status, body = ledger._request("POST", "/api/v1/intents", {
+        status, body = ledger.request("POST", "/api/v1/intents", {
             "invocation_id": invocation_id, "task_id": f"conformance-{run_id}",
             "capability": capability, "arguments": {"order": run_id, "amount": 1},
             "idempotency_key": key, "attempt_id": "a1", "subject": "conformance",

@@ -155,14 +155,18 @@ class LedgerClient:
 
     # Transport ------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        """The ledger's typed answer, resending what it did not take.
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """The ledger's typed answer (status and JSON body), resending what it did not
+        take.
 
         Resent: a 429 `rate_limited`, any 5xx (`ledger_unavailable`, `internal_error`,
-        `projection_broken`, a proxy's 502 page), a connection refused before anything
-        was sent, and an answer that is not the ledger's JSON: every call of this API
-        replays safely, and a resent admission that had in fact been recorded comes
-        back as a 200 replay, which `_refusal` never dispatches.
+        `projection_broken`, a proxy's 502 page), an answer that is not the ledger's
+        JSON, a connection refused before anything was sent, and one closed before the
+        answer came whole (a web process killed mid-request, a keep-alive connection the
+        server closed as it was reused): every call of this API replays safely, and a
+        resent admission that had in fact been recorded comes back as a 200 replay,
+        which `_refusal` never dispatches. A timeout is not resent: the ledger may still
+        be at work on the request, and the caller has waited long enough.
         """
         for attempt in range(self.retries + 1):
             wait = 0.2 * 2**attempt
@@ -170,6 +174,8 @@ class LedgerClient:
                 response = self.http.request(method, path, json=body)
             except httpx.ConnectError as exc:
                 last = f"connection failed: {exc}"
+            except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+                last = f"connection closed before the answer: {type(exc).__name__}: {exc}"
             except httpx.HTTPError as exc:
                 raise LedgerUnreachable(f"{type(exc).__name__}: {exc}") from exc
             else:
@@ -232,7 +238,7 @@ class LedgerClient:
         try:
             current = self.state(invocation_id)
             attempt_id = f"a{len(current['attempts']) + 1}"
-            status, body = self._request(
+            status, body = self.request(
                 "POST", f"/api/v1/invocations/{invocation_id}/attempts", {"attempt_id": attempt_id}
             )
         except LedgerUnreachable as exc:
@@ -247,7 +253,7 @@ class LedgerClient:
 
     def state(self, invocation_id: str) -> dict[str, Any]:
         """The ledger's record of an invocation: its typed state, attempts and events."""
-        status, body = self._request("GET", f"/api/v1/invocations/{invocation_id}")
+        status, body = self.request("GET", f"/api/v1/invocations/{invocation_id}")
         if status != 200:
             raise LedgerRequestError(status, body)
         return dict(body)
@@ -260,7 +266,7 @@ class LedgerClient:
     ) -> InvocationResult:
         invocation_id, task_id = intent["invocation_id"], intent["task_id"]
         try:
-            status, body = self._request("POST", "/api/v1/intents", intent)
+            status, body = self.request("POST", "/api/v1/intents", intent)
         except LedgerUnreachable as exc:
             # The intent may have been recorded all the same (an answer lost on its way
             # back), binding the key to this invocation_id: `retry` sends it again.
@@ -342,7 +348,7 @@ class LedgerClient:
                 outcome["error"]["message"] = str(exc)[:4000]
         path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
         try:
-            status, body = self._request("POST", path, outcome)
+            status, body = self.request("POST", path, outcome)
         except LedgerUnreachable as exc:
             return self._keep(context, task_id, path, outcome, value, f"not recorded ({exc})")
         if status in CALLER_REFUSED:
@@ -400,7 +406,7 @@ class LedgerClient:
 
         def send(record: Record) -> str | Refused | None:
             try:
-                status, body = self._request("POST", record.path, record.body)
+                status, body = self.request("POST", record.path, record.body)
             except LedgerUnreachable as exc:
                 return str(exc)
             error = body.get("error", {}) if isinstance(body, Mapping) else {}

@@ -24,6 +24,10 @@ class TcpProxy:
             self.port = probe.getsockname()[1]
         self.listener: socket.socket | None = None
         self.connections: list[socket.socket] = []
+        # The next answer is dropped and its connection closed, as a web process killed
+        # after the ledger recorded the request, before it answered, would leave it.
+        self.cutting = threading.Event()
+        self.answers_cut = 0
 
     @property
     def url(self) -> str:
@@ -59,13 +63,19 @@ class TcpProxy:
                 return
             upstream = socket.create_connection(self.target)
             self.connections += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, answers in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(a, b, answers), daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    def cut_next_answer(self) -> None:
+        self.cutting.set()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, answers: bool) -> None:
         try:
             while data := source.recv(65536):
+                if answers and self.cutting.is_set():
+                    self.cutting.clear()
+                    self.answers_cut += 1
+                    break
                 sink.sendall(data)
         except OSError:
             pass

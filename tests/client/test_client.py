@@ -202,7 +202,7 @@ def test_a_torn_spool_delivers_the_intact_records_and_reports_the_damaged_one(
             "invocation_id": f"inv-{n}", "task_id": "t", "capability": "refund.create",
             "arguments": {}, "idempotency_key": f"k-{n}", "attempt_id": "a1",
         }  # fmt: skip
-        assert online._request("POST", "/api/v1/intents", intent)[0] == 201
+        assert online.request("POST", "/api/v1/intents", intent)[0] == 201
         # The tool ran; the ledger was gone when its outcome was reported.
         context = CallContext(f"inv-{n}", "a1", f"k-{n}")
         result = offline._dispatch(context, "t", Tool(), lambda v: v["id"])
@@ -329,7 +329,7 @@ def test_of_two_processes_retrying_at_once_only_the_admitted_one_calls(
         # Between this client's read of the attempts and its own admission request, the
         # other process is admitted under the same next attempt id and calls the tool.
         if request.url.path == path and not admitted:
-            admitted.append(other_process._request("POST", path, {"attempt_id": "a2"}))
+            admitted.append(other_process.request("POST", path, {"attempt_id": "a2"}))
 
     racing = LedgerClient(
         live_server.url, token, transport=InterposedTransport(other_process_first)
@@ -436,6 +436,54 @@ def test_after_the_ledger_was_down_a_retry_sends_the_intent_again(
     assert Invocation.objects.get().invocation_id == down.invocation_id
 
 
+def test_an_outcome_whose_answer_is_cut_off_is_sent_again_and_answered(
+    proxy: TcpProxy, token: str, tmp_path: Path
+) -> None:
+    """The ledger recorded the outcome, and the connection closed before its answer (a
+    web process killed between the two): sent again, the outcome is answered as a
+    replay, so the caller learns the refund is recorded, and nothing waits in the
+    spool. Before, it was told the evidence was missing, to reconcile."""
+    spool = tmp_path / "spool.jsonl"
+    client = LedgerClient(proxy.url, token, spool=str(spool))
+
+    def refund_then_lose_the_outcomes_answer(context: CallContext) -> dict[str, str]:
+        proxy.cut_next_answer()
+        return {"id": "RF-1"}
+
+    tool = Tool(refund_then_lose_the_outcomes_answer)
+    result = invoke(client, tool)
+    assert proxy.answers_cut == 1
+    assert (result.kind, result.status, result.reconciliation_required) == (
+        "succeeded",
+        "succeeded",
+        False,
+    )
+    assert len(tool.calls) == 1
+    assert Outcome.objects.get().business_reference == "RF-1"
+    report = client.flush()
+    assert (report.delivered, report.remaining) == (0, 0)
+
+
+def test_an_intent_whose_answer_is_cut_off_is_sent_again_and_never_dispatched(
+    proxy: TcpProxy, token: str
+) -> None:
+    """Sent again, the intent that was recorded comes back as a replay of its admission:
+    the client cannot tell whether another process called the tool for it, so it does
+    not, and the ledger reconciles the attempt if no outcome comes."""
+    client = LedgerClient(proxy.url, token)
+    proxy.cut_next_answer()
+    tool = Tool()
+    result = invoke(client, tool)
+    assert proxy.answers_cut == 1
+    assert tool.calls == []
+    assert (result.kind, result.status, result.next_action) == (
+        "attempt_in_flight",
+        "in_flight",
+        "await_outcome",
+    )
+    assert Invocation.objects.get().attempt_count == 1
+
+
 def test_an_intent_recorded_but_unanswered_is_not_dispatched_on_retry(
     live_server: Any, token: str
 ) -> None:
@@ -445,7 +493,7 @@ def test_an_intent_recorded_but_unanswered_is_not_dispatched_on_retry(
 
     def record_then_lose_the_answer(request: httpx.Request) -> None:
         if request.url.path == "/api/v1/intents" and not Invocation.objects.exists():
-            courier._request("POST", "/api/v1/intents", json.loads(request.content))
+            courier.request("POST", "/api/v1/intents", json.loads(request.content))
             raise httpx.ReadTimeout("the answer never came", request=request)
 
     client = LedgerClient(
@@ -470,7 +518,7 @@ def spooled_outcome(live_server: Any, token: str, spool: Path) -> None:
         "invocation_id": "inv-spooled", "task_id": "t", "capability": "refund.create",
         "arguments": {}, "idempotency_key": "k-spooled", "attempt_id": "a1",
     }  # fmt: skip
-    assert online._request("POST", "/api/v1/intents", intent)[0] == 201
+    assert online.request("POST", "/api/v1/intents", intent)[0] == 201
     offline = LedgerClient("http://127.0.0.1:9", token, spool=str(spool), retries=0)
     context = CallContext("inv-spooled", "a1", "k-spooled")
     assert offline._dispatch(context, "t", Tool(), lambda v: v["id"]).kind == (

@@ -9,7 +9,9 @@ the REST API plays runtimes that: succeed; are refused by the business; perform 
 refund and then lose the outcome report; crash before dispatching. It then polls
 until the ledger has settled every one, retries under the same key each one the ledger
 found never happened (as a runtime does on `retry_allowed`), and shows that each key
-produced at most one refund.
+produced at most one refund. It sends through the runtime client's transport
+(`LedgerClient.request`), which resends what the ledger did not take (a web process
+or the database restarting under it).
 """
 
 from __future__ import annotations
@@ -25,12 +27,24 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from ledger import acc
 from ledger.capabilities import capability_register, capability_settings_change
+from ledger.client import LedgerClient
 from ledger.models import Runtime, RuntimeToken
 from reconciliation.standin import StandInService
 
 SCOPE = "demo.refund.create"
 SCENARIOS = ("succeeds", "business refuses", "outcome lost after refund", "crash before refund")
 SETTLED = {"succeeded", "failed", "retry_allowed", "escalated"}
+# How often a request the ledger did not take is sent again, waiting 0.2 s, then twice
+# as long each time: about 50 s in all, more than `make run` takes to restart anything.
+RESENDS = 8
+
+
+def send(ledger: LedgerClient, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """POST a runtime's request; its typed state, or the ledger's typed error raised."""
+    status, answer = ledger.request("POST", path, body)
+    if status not in (200, 201):
+        raise CommandError(f"POST {path}: {status} {answer}")
+    return answer  # type: ignore[no-any-return]
 
 
 class Command(BaseCommand):
@@ -47,9 +61,9 @@ class Command(BaseCommand):
         standin = StandInService(state / "demo-standin.sqlite3").start()
         try:
             token = self.prepare(standin)
-            ledger = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"})
+            ledger = LedgerClient(url, token, retries=RESENDS)
             try:
-                ledger.get("/healthz").raise_for_status()
+                ledger.http.get("/healthz").raise_for_status()
             except httpx.HTTPError as exc:
                 raise CommandError(
                     f"no ledger at {url} ({exc}); start it with `make run`"
@@ -91,13 +105,14 @@ class Command(BaseCommand):
         self.stdout.write(f"stand-in payments service on {standin.url}; capability {SCOPE}")
         return token
 
-    def play(self, ledger: httpx.Client, standin: StandInService, scenario: str) -> dict[str, Any]:
+    def play(self, ledger: LedgerClient, standin: StandInService, scenario: str) -> dict[str, Any]:
         run_id = uuid.uuid4().hex[:8]
         invocation_id, key = f"demo-{run_id}", f"refund-{run_id}"
         amount = 50_000 if scenario == "business refuses" else 40
-        intent = ledger.post(
+        send(
+            ledger,
             "/api/v1/intents",
-            json={
+            {
                 "invocation_id": invocation_id,
                 "task_id": "demo-task",
                 "capability": SCOPE,
@@ -107,20 +122,21 @@ class Command(BaseCommand):
                 "attempt_id": "a1",
             },
         )
-        intent.raise_for_status()
         outcome_url = f"/api/v1/invocations/{invocation_id}/attempts/a1/outcome"
         run = {"invocation_id": invocation_id, "key": key, "scenario": scenario, "amount": amount}
         if scenario != "crash before refund":
             refund = self.refund(standin, run)
             if scenario == "succeeds":
-                ledger.post(
+                send(
+                    ledger,
                     outcome_url,
-                    json={"kind": "succeeded", "business_reference": refund.json()["id"]},
+                    {"kind": "succeeded", "business_reference": refund.json()["id"]},
                 )
             elif scenario == "business refuses":
-                ledger.post(
+                send(
+                    ledger,
                     outcome_url,
-                    json={"kind": "business_failed", "error": {"code": refund.json()["error"]}},
+                    {"kind": "business_failed", "error": {"code": refund.json()["error"]}},
                 )
         self.stdout.write(f"  {invocation_id}: {scenario}")
         return run
@@ -134,7 +150,7 @@ class Command(BaseCommand):
             json={"idempotency_key": run["key"], "order": order, "amount": run["amount"]},
         )
 
-    def watch(self, ledger: httpx.Client, runs: list[dict[str, Any]], timeout: float) -> None:
+    def watch(self, ledger: LedgerClient, runs: list[dict[str, Any]], timeout: float) -> None:
         self.stdout.write("waiting for the sweep and the probes (worker and beat must run)…")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -147,11 +163,11 @@ class Command(BaseCommand):
         )
 
     @staticmethod
-    def state(ledger: httpx.Client, run: dict[str, Any]) -> dict[str, Any]:
-        return ledger.get(f"/api/v1/invocations/{run['invocation_id']}").json()  # type: ignore[no-any-return]
+    def state(ledger: LedgerClient, run: dict[str, Any]) -> dict[str, Any]:
+        return ledger.state(run["invocation_id"])
 
     def retry_allowed(
-        self, ledger: httpx.Client, standin: StandInService, runs: list[dict[str, Any]]
+        self, ledger: LedgerClient, standin: StandInService, runs: list[dict[str, Any]]
     ) -> None:
         """What a runtime does with `retry_allowed`: a new attempt of the same invocation,
         the business call again under the same key, and its outcome."""
@@ -159,12 +175,13 @@ class Command(BaseCommand):
             if run["settled"]["status"] != "retry_allowed":
                 continue
             invocation = f"/api/v1/invocations/{run['invocation_id']}"
-            ledger.post(f"{invocation}/attempts", json={"attempt_id": "a2"}).raise_for_status()
+            send(ledger, f"{invocation}/attempts", {"attempt_id": "a2"})
             refund = self.refund(standin, run)
-            ledger.post(
+            send(
+                ledger,
                 f"{invocation}/attempts/a2/outcome",
-                json={"kind": "succeeded", "business_reference": refund.json()["id"]},
-            ).raise_for_status()
+                {"kind": "succeeded", "business_reference": refund.json()["id"]},
+            )
             run["retried"] = self.state(ledger, run)["status"]
 
     def report(self, standin: StandInService, runs: list[dict[str, Any]]) -> None:
