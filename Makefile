@@ -4,7 +4,7 @@ export UV_PYTHON_DOWNLOADS := never
 UV_VERSION := 0.13.8
 UV := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 
-.PHONY: run test lint deps bench browser
+.PHONY: run test lint deps bench browser promtool
 
 deps:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"
@@ -15,7 +15,7 @@ run: deps
 	$(UV) run --frozen python -m ledger.run
 
 ## Lint, type-check and run the whole test suite against PostgreSQL and Redis.
-test: deps lint browser
+test: deps lint browser promtool
 	$(UV) run --frozen pytest
 	@# Then the workers' tests marked embedded_broker again, on the broker `make run` uses.
 	CELERY_BROKER_URL=filesystem://localhost// LEDGER_DATA_DIR="$$(mktemp -d)" \
@@ -25,6 +25,12 @@ test: deps lint browser
 browser:
 	@[ -x /usr/bin/chromium ] || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+# The alerting rules in docs/prometheus are checked with promtool, from Debian's
+# prometheus package (the server is installed, never started).
+promtool:
+	@command -v promtool >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus)
 
 lint: deps
 	$(UV) run --frozen ruff check .
