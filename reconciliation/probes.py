@@ -612,6 +612,11 @@ def _answered_within(
     slots = _python_slots
     if not slots.acquire(blocking=False):
         detail = f"not started: {PYTHON_PROBES_AT_ONCE} python probes still run in this process"
+        # Each of them outlived its wait: hung, most likely, until the process ends.
+        log.error(
+            "python probe %s invocation=%s; restarting the worker frees their threads",
+            detail, invocation.invocation_id or "-",
+        )  # fmt: skip
         return ProbeResult(Finding.INCONCLUSIVE, detail=detail)
     answers: list[Any] = []
     given_up: list[bool] = []  # by the waiter; decided under `deciding`, with `answers`

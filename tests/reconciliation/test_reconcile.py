@@ -917,14 +917,18 @@ def test_a_python_probe_is_claimed_for_the_timeout_it_declares(
 
 
 def test_a_python_probe_that_does_not_answer_frees_the_worker_at_its_timeout(
-    api: Api, refunds: Capability, settings: Any, monkeypatch: pytest.MonkeyPatch
+    api: Api,
+    refunds: Capability,
+    settings: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A business system's client library without a timeout hangs the callable: its
     answer is waited for the timeout the probe declares, then it is inconclusive and
     the worker's thread goes on to the next job, while the callable runs on in a
     thread of its own. Only so many run on at once (two here): past them a python probe
     is not started, so that one that never returns cannot take a thread per
-    invocation."""
+    invocation, and the worker's log says so."""
     config = {"kind": "python", "callable": f"{__name__}.hangs", "timeout": 0.2}
     settings.LEDGER_PYTHON_PROBES = [config["callable"]]
     monkeypatch.setattr(probes, "PYTHON_PROBES_AT_ONCE", 2)
@@ -945,6 +949,10 @@ def test_a_python_probe_that_does_not_answer_frees_the_worker_at_its_timeout(
         ("inconclusive", "no answer within 0.2 s; the probe runs on, unwatched"),
         ("inconclusive", "no answer within 0.2 s; the probe runs on, unwatched"),
         ("inconclusive", "not started: 2 python probes still run in this process"),
+    ]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        "python probe not started: 2 python probes still run in this process "
+        "invocation=inv-3; restarting the worker frees their threads"
     ]
     assert all(d["duration_ms"] < 5000 for d in details)
     wait_for(lambda: not any(thread.name == "python-probe" for thread in threading.enumerate()))
