@@ -260,8 +260,9 @@ def test_a_probe_through_the_proxy_the_environment_names_keeps_its_deadline_too(
     invocation = flagged(api)
     perform_refund(standin, "refund-SO-1")
     standin.refunds.set_mode("trickle_head")
+    for name in ("http_proxy", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", standin.url)
-    monkeypatch.delenv("NO_PROXY", raising=False)
     config = {
         **refunds.probe,
         "url": "http://payments.invalid/refunds?idempotency_key={idempotency_key}",
