@@ -55,11 +55,13 @@ def test_a_refund_whose_outcome_was_lost_is_found_and_never_repeated(
     # 1. intent, admitted; 2. the tool creates the refund; 3. the outcome report is lost.
     assert api.intent(attempt_id="a1")[1]["status"] == "in_flight"
     refund = perform_refund(standin, "refund-SO-1").json()
-    # 4. past the deadline the ledger says: unknown after dispatch, do not retry.
+    # 4. past the deadline the ledger says: unknown after dispatch, do not retry. The
+    # probe may have settled it before the read below: what the flag said is its event's.
     wait_for(lambda: status_of("inv-1") != "in_flight")
     _, seen = api.get("/api/v1/invocations/inv-1")
-    assert seen["failure_class"] == "post_dispatch_evidence_failed"
-    assert (seen["retryable"], seen["cause"]) == (False, "evidence_missing")
+    assert (seen["failure_class"], seen["retryable"]) == ("post_dispatch_evidence_failed", False)
+    flag = Invocation.objects.get().events.get(kind="evidence_missing").data["state"]
+    assert (flag["status"], flag["cause"]) == ("reconciliation_required", "evidence_missing")
     # 5. no second dispatch: a new attempt is refused while the outcome is unknown.
     if seen["status"] in ("reconciliation_required", "reconciling"):
         assert api.attempt("inv-1", "a2")[0] == 409
