@@ -4,6 +4,7 @@ starting, and says which and why."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -51,3 +52,24 @@ def test_settings_given_by_name_are_read_by_their_names(monkeypatch: pytest.Monk
     monkeypatch.setenv("LEDGER_PROBE_CA_FILE_PAYMENTS", "/etc/ssl/payments-ca.pem")
     monkeypatch.setenv("LEDGER_PROBE_CA_FILE_HR", "")
     assert env_named("LEDGER_PROBE_CA_FILE_") == {"PAYMENTS": "/etc/ssl/payments-ca.pem"}
+
+
+# Every read of the environment by the ledger's processes: settings.py's helpers and
+# os.environ. The runtime client (ledger/client) reads its own, documented with it.
+ENVIRONMENT_READ = re.compile(r"(?:env_\w+|environ\.get|environ|getenv)\(?\[?\"([A-Z][A-Z0-9_]*)\"")
+
+
+def test_every_setting_the_ledger_reads_is_listed_in_env_example() -> None:
+    """The README sends operators to .env.example for every setting; a setting added to
+    the code alone would be found only by reading it."""
+    read = {
+        name
+        for package in ("ledger", "reconciliation")
+        for path in (ROOT / package).rglob("*.py")
+        if "client" not in path.relative_to(ROOT).parts
+        for name in ENVIRONMENT_READ.findall(path.read_text())
+    } - {"DJANGO_SETTINGS_MODULE"}
+    listed = (ROOT / ".env.example").read_text()
+    assert len(read) > 40
+    # A setting given by name (LEDGER_PROBE_SECRET_…) is listed by an example name.
+    assert [name for name in sorted(read) if name not in listed] == []
