@@ -11,6 +11,13 @@ whether the database still holds it.
 
 Only the newest hashes are sent: each chains the ones before, so an anchor skipped
 while the store was down is covered by the next.
+
+With LEDGER_ANCHOR_PROTOCOL=rfc3161 the URL is a time-stamping authority's (RFC 3161):
+it is sent the SHA-256 of the hashes' message (`message`) and answers with a token it
+signed, naming the time. The ledger keeps the token and checks it, as it arrives and
+in `verify_ledger`, against the authority's root certificates
+(LEDGER_ANCHOR_TSA_ROOTS): a copy the ledger holds and no one can forge, where a
+store's copy is held, and checked, elsewhere.
 """
 
 from __future__ import annotations
@@ -18,12 +25,25 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import ssl
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from cryptography import x509
 from django.conf import settings
+from rfc3161_client import (
+    HashAlgorithm,
+    PKIStatus,
+    TimeStampRequest,
+    TimestampRequestBuilder,
+    VerificationError,
+    Verifier,
+    VerifierBuilder,
+    decode_timestamp_response,
+)
 
+from ledger.chain import canonical
 from ledger.models import AdminAction, Anchor, Seal
 
 log = logging.getLogger(__name__)
@@ -34,7 +54,13 @@ TIMEOUT = httpx.Timeout(10.0, connect=5.0)
 
 
 class AnchorRefused(Exception):
-    """The store did not take the hashes: unreachable, or it answered other than 2xx."""
+    """The store did not take the hashes: unreachable, or it answered other than 2xx
+    (or, from a time-stamping authority, other than a token that verifies)."""
+
+
+class TokenBroken(Exception):
+    """A timestamp token that does not verify: not signed under the authority's roots,
+    or over another message than the anchor's seal and action give now."""
 
 
 def payload(seal: Seal | None, action: AdminAction | None) -> dict[str, Any]:
@@ -55,6 +81,12 @@ def payload(seal: Seal | None, action: AdminAction | None) -> dict[str, Any]:
     }
 
 
+def message(seal: Seal | None, action: AdminAction | None) -> bytes:
+    """What a time-stamping authority is sent the digest of: the payload as canonical
+    JSON (RFC 8785), which the seal's and the action's rows give again."""
+    return canonical(payload(seal, action))
+
+
 def anchor_newest() -> Anchor | None:
     """Send the newest seal's hash and the action log's to LEDGER_ANCHOR_URL, unless the
     last anchor sent these; the anchor recorded, or None when there was nothing new.
@@ -70,14 +102,24 @@ def anchor_newest() -> Anchor | None:
     headers = {"User-Agent": "invocation-ledger-anchor"}
     if settings.LEDGER_ANCHOR_TOKEN:
         headers["Authorization"] = f"Bearer {settings.LEDGER_ANCHOR_TOKEN}"
-    try:
-        answer = httpx.post(
-            url, json=payload(seal, action), headers=headers, timeout=TIMEOUT, verify=_trust()
+    token = None
+    if settings.LEDGER_ANCHOR_PROTOCOL == "rfc3161":
+        signed = message(seal, action)
+        request = (
+            TimestampRequestBuilder()
+            .data(signed)
+            .hash_algorithm(HashAlgorithm.SHA256)
+            .nonce(nonce=True)
+            .cert_request(cert_request=True)
+            .build()
         )
-    except httpx.HTTPError as exc:
-        raise AnchorRefused(f"{type(exc).__name__}: {exc}"[:300]) from None
-    if not answer.is_success:
-        raise AnchorRefused(f"answered {answer.status_code}: {answer.text[:200]!r}")
+        headers["Content-Type"] = "application/timestamp-query"
+        answer = _sent(url, headers, content=request.as_bytes())
+        token = answer.content
+        receipt = _granted(request, token, signed)
+    else:
+        answer = _sent(url, headers, json=payload(seal, action))
+        receipt = answer.text[:RECEIPT_CHARS]
     return Anchor.objects.create(
         seal=seal,
         seal_hash=seal_hash,
@@ -85,8 +127,98 @@ def anchor_newest() -> Anchor | None:
         action_hash=action_hash,
         url=where(url),
         status=answer.status_code,
-        receipt=answer.text[:RECEIPT_CHARS],
+        receipt=receipt,
+        token=token,
     )
+
+
+def _sent(url: str, headers: dict[str, str], **body: Any) -> httpx.Response:
+    try:
+        answer = httpx.post(url, headers=headers, timeout=TIMEOUT, verify=_trust(), **body)
+    except httpx.HTTPError as exc:
+        raise AnchorRefused(f"{type(exc).__name__}: {exc}"[:300]) from None
+    if not answer.is_success:
+        raise AnchorRefused(f"answered {answer.status_code}: {answer.text[:200]!r}")
+    return answer
+
+
+def _granted(request: TimeStampRequest, token: bytes, signed: bytes) -> str:
+    """The receipt of a token that verifies as the answer to `request` over `signed`:
+    when the authority signed it, and its serial number."""
+    try:
+        response = decode_timestamp_response(token)
+    except ValueError as exc:
+        raise AnchorRefused(f"answer is no timestamp response: {exc}"[:300]) from None
+    if response.status not in (PKIStatus.GRANTED, PKIStatus.GRANTED_WITH_MODS):
+        said = "; ".join(response.status_string) or "no reason given"
+        status = PKIStatus(response.status).name.lower()
+        raise AnchorRefused(f"the authority refused ({status}): {said}"[:300])
+    try:
+        _verifier(VerifierBuilder.from_request(request)).verify_message(response, signed)
+    except (ValueError, VerificationError, TokenBroken) as exc:
+        raise AnchorRefused(f"timestamp token does not verify: {exc}"[:300]) from None
+    info = response.tst_info
+    return f"genTime {info.gen_time.isoformat()} serial {info.serial_number}"
+
+
+def check_token(anchor: Anchor, verifier: Verifier | None = None) -> dt.datetime:
+    """When the authority signed the anchor's message, as its token says. TokenBroken
+    when the token does not verify against LEDGER_ANCHOR_TSA_ROOTS, or the message it
+    signed is no longer what the anchor's seal and action rows give (a row rewritten)."""
+    verifier = verifier or _verifier(VerifierBuilder())
+    try:
+        response = decode_timestamp_response(bytes(anchor.token or b""))
+        verifier.verify_message(response, message(anchor.seal, anchor.action))
+    except (ValueError, VerificationError) as exc:
+        raise TokenBroken(str(exc)) from None
+    return response.tst_info.gen_time
+
+
+@dataclass
+class TokensChecked:
+    checked: int = 0
+    # (anchor id, why its token does not verify)
+    broken: list[tuple[int, str]] = field(default_factory=list)
+    # Tokens kept while LEDGER_ANCHOR_TSA_ROOTS is not set, which nothing can check.
+    unchecked: int = 0
+    newest: tuple[Anchor, dt.datetime] | None = None
+
+
+def check_tokens() -> TokensChecked:
+    """Every anchor's timestamp token checked, oldest first."""
+    kept = Anchor.objects.filter(token__isnull=False).select_related("seal", "action")
+    report = TokensChecked()
+    if not settings.LEDGER_ANCHOR_TSA_ROOTS:
+        report.unchecked = kept.count()
+        return report
+    verifier = _verifier(VerifierBuilder())
+    for anchor in kept.order_by("id").iterator(chunk_size=500):
+        report.checked += 1
+        try:
+            report.newest = anchor, check_token(anchor, verifier)
+        except TokenBroken as exc:
+            report.broken.append((anchor.pk, str(exc)))
+    return report
+
+
+def _verifier(builder: VerifierBuilder) -> Verifier:
+    """A verifier of tokens under the root certificates in LEDGER_ANCHOR_TSA_ROOTS; the
+    other certificates there are taken as intermediates."""
+    path = settings.LEDGER_ANCHOR_TSA_ROOTS
+    try:
+        with open(path, "rb") as pem:
+            certificates = x509.load_pem_x509_certificates(pem.read())
+    except (OSError, ValueError) as exc:
+        raise TokenBroken(f"LEDGER_ANCHOR_TSA_ROOTS {path!r}: {exc}") from None
+    roots = [cert for cert in certificates if cert.subject == cert.issuer]
+    if not roots:
+        raise TokenBroken(f"LEDGER_ANCHOR_TSA_ROOTS {path!r} holds no root certificate")
+    for certificate in certificates:
+        if certificate in roots:
+            builder = builder.add_root_certificate(certificate)
+        else:
+            builder = builder.add_intermediate_certificate(certificate)
+    return builder.build()
 
 
 def _trust() -> ssl.SSLContext | bool:
@@ -136,9 +268,22 @@ def newest() -> Anchor | None:
     return Anchor.objects.order_by("-id").first()
 
 
-def sent(count: int) -> list[Anchor]:
-    """The last `count` anchors, newest first, with their seals."""
-    return list(Anchor.objects.select_related("seal").order_by("-id")[:count])
+def sent(count: int) -> list[tuple[Anchor, str, bool]]:
+    """The last `count` anchors, newest first, with their seals, each with what its
+    timestamp token says when checked ("" without one) and whether it is broken."""
+    shown = list(Anchor.objects.select_related("seal", "action").order_by("-id")[:count])
+    return [(anchor, *_token_says(anchor)) for anchor in shown]
+
+
+def _token_says(anchor: Anchor) -> tuple[str, bool]:
+    if anchor.token is None:
+        return "", False
+    if not settings.LEDGER_ANCHOR_TSA_ROOTS:
+        return "not checked: LEDGER_ANCHOR_TSA_ROOTS is not set", False
+    try:
+        return f"verifies: signed {check_token(anchor).isoformat()}", False
+    except TokenBroken as exc:
+        return f"does not verify: {exc}", True
 
 
 def not_held(hashes: list[str]) -> list[str]:

@@ -17,11 +17,14 @@ from typing import IO, Any
 from django.db.models import Max, Min
 from django.utils import timezone
 
-from ledger import chain
+from ledger import anchors, chain
 from ledger.audit import filters_given, search
 from ledger.integrity import chains_touched, reading_every_row, seal_body, time_window
 from ledger.models import Anchor, Event, Invocation, Seal, SealedEvent
 from ledger.services import event_body
+
+# A time-stamping authority's token of the bundle's anchor, and the message it signed.
+TSA_MESSAGE, TSA_TOKEN = "anchor-message.json", "anchor-token.tsr"
 
 
 def export_bundle(
@@ -81,7 +84,7 @@ def export_bundle(
         # its seal: a hash the anchor store holds must be in the bundle's seal chain.
         anchor = (
             Anchor.objects.filter(seal__last_sequence__gte=span["last"])
-            .select_related("seal")
+            .select_related("seal", "action")
             .order_by("seal__last_sequence", "id")
             .first()
         )
@@ -115,6 +118,14 @@ def export_bundle(
             "sent_at": anchor.sent_at.isoformat(),
             "receipt": anchor.receipt,
         }
+        if anchor.token is not None:
+            # A time-stamping authority's signature over the anchor's message, which
+            # names the seal: checked offline with OpenSSL and the authority's root
+            # certificates (verify_bundle --tsa-roots), it anchors the bundle by itself.
+            (folder / TSA_MESSAGE).write_bytes(anchors.message(anchor.seal, anchor.action))
+            (folder / TSA_TOKEN).write_bytes(bytes(anchor.token))
+            sent |= {"message": TSA_MESSAGE, "token": TSA_TOKEN}
+            named += [TSA_MESSAGE, TSA_TOKEN]
         (folder / "anchors.jsonl").write_text(json.dumps(sent) + "\n")
         named.append("anchors.jsonl")
     files = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in named}
@@ -148,6 +159,12 @@ present, says which seal it sent where: ask that store for it), ties the bundle 
 ledger, which a consistent forgery cannot be:
 
     python3 -m ledger.verify_bundle . --seal HASH
+
+When a time-stamping authority signed that seal (anchor-token.tsr, over
+anchor-message.json), its root certificates anchor the bundle with no one's copy, the
+signature checked by OpenSSL:
+
+    python3 -m ledger.verify_bundle . --tsa-roots ROOTS.pem
 
 The verifier (ledger/verify_bundle.py and ledger/policy.py) is here for convenience.
 Whoever doubts the ledger's operators checks with their own copy from its source.

@@ -781,8 +781,13 @@ class Anchor(models.Model):
     url = models.CharField(max_length=500)
     sent_at = models.DateTimeField(default=timezone.now)
     status = models.PositiveSmallIntegerField()
-    # The store's answer (its receipt: a record's id, a timestamp token), cut short.
+    # The store's answer (its receipt: a record's id), cut short; from a time-stamping
+    # authority, when and under what serial number it signed.
     receipt = models.TextField(blank=True)
+    # A time-stamping authority's whole answer (RFC 3161 TimeStampResp, DER): its
+    # signature over this anchor's message, which the ledger and anyone holding the
+    # authority's root certificate can check (ledger.anchors.check_token).
+    token = models.BinaryField(null=True, editable=False)
 
     def __str__(self) -> str:
         return f"anchor {self.pk}: seal {self.seal_hash or '-'}, action {self.action_hash or '-'}"

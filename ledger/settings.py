@@ -418,6 +418,21 @@ LEDGER_ANCHOR_TOKEN = os.environ.get("LEDGER_ANCHOR_TOKEN", "")  # sent as a bea
 # CA certificates (PEM) an https store is trusted by besides certifi's bundle.
 LEDGER_ANCHOR_CA_FILE = os.environ.get("LEDGER_ANCHOR_CA_FILE", "")
 LEDGER_ANCHOR_INTERVAL_SECONDS = env_int("LEDGER_ANCHOR_INTERVAL_SECONDS", 300, minimum=1)
+# How the hashes are sent: "json" (a POST of them, to a store that keeps them) or
+# "rfc3161" (to a time-stamping authority, which signs their digest with the time: the
+# ledger keeps its token and checks it against LEDGER_ANCHOR_TSA_ROOTS, a PEM file of
+# the authority's root certificates).
+LEDGER_ANCHOR_PROTOCOL = os.environ.get("LEDGER_ANCHOR_PROTOCOL", "json")
+LEDGER_ANCHOR_TSA_ROOTS = os.environ.get("LEDGER_ANCHOR_TSA_ROOTS", "")
+if LEDGER_ANCHOR_PROTOCOL not in ("json", "rfc3161"):
+    raise ImproperlyConfigured(
+        f"LEDGER_ANCHOR_PROTOCOL must be json or rfc3161, not {LEDGER_ANCHOR_PROTOCOL!r}"
+    )
+if LEDGER_ANCHOR_PROTOCOL == "rfc3161" and not LEDGER_ANCHOR_TSA_ROOTS:
+    raise ImproperlyConfigured(
+        "LEDGER_ANCHOR_PROTOCOL rfc3161 needs LEDGER_ANCHOR_TSA_ROOTS: the PEM file of the "
+        "time-stamping authority's root certificates its tokens are checked against"
+    )
 # Empty: /metrics is open, like /healthz (aggregate counts, no ids or subjects).
 LEDGER_METRICS_TOKEN = os.environ.get("LEDGER_METRICS_TOKEN", "")
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {

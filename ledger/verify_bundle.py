@@ -13,7 +13,10 @@ audit search) holds:
                   seal between covering ones, with its body and hash only (leaves
                   null), so that the seal chain is whole, up to the seal the ledger
                   sent to its anchor store after them, when it did;
-- anchors.jsonl   (when it did) that seal's hash, the store and its receipt.
+- anchors.jsonl   (when it did) that seal's hash, the store and its receipt; and
+                  when the store is a time-stamping authority (RFC 3161), the names
+                  of its token (anchor-token.tsr) and of the message it signed
+                  (anchor-message.json), which names the seal.
 
 It checks the manifest, every event hash and chain link (per invocation, from its
 first event), every seal's hash, chain and Merkle root, and that each event sits in
@@ -30,6 +33,10 @@ bundle's chain, and
 the events sealed by it or by the seals it chains to are then anchored:
 
     python -m ledger.verify_bundle BUNDLE_DIR --seal 3f1c...
+
+A time-stamping authority's token needs no one's copy: `--tsa-roots ROOTS.pem`, the
+authority's root certificates, has OpenSSL (`openssl ts -verify`) check its signature
+over the message, and the seal the message names anchors the bundle as `--seal` would.
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
+import subprocess
 import sys
+import tempfile
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -158,6 +168,40 @@ def verify(folder: Path | zipfile.Path, trusted: Iterable[str] = ()) -> tuple[li
     return problems, anchored
 
 
+def timestamped_seals(folder: Path | zipfile.Path, roots: Path) -> tuple[list[str], list[str]]:
+    """The seals named by the messages whose time-stamping authority's tokens OpenSSL
+    verifies under `roots`, and the problems with the others."""
+    anchored, problems = [], []
+    openssl = shutil.which("openssl")
+    for sent in _lines(folder / "anchors.jsonl") if (folder / "anchors.jsonl").exists() else []:
+        if "token" not in sent:
+            continue
+        if openssl is None:
+            problems.append("openssl is not installed: the timestamp token is not checked")
+            continue
+        with tempfile.TemporaryDirectory() as copies:  # a zip's files, for OpenSSL to read
+            message, token = Path(copies, "message"), Path(copies, "token")
+            message.write_bytes((folder / sent["message"]).read_bytes())
+            token.write_bytes((folder / sent["token"]).read_bytes())
+            checked = subprocess.run(
+                [openssl, "ts", "-verify", "-data", message, "-in", token, "-CAfile", roots],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            try:
+                named = json.loads(message.read_bytes())["seal"]
+            except (ValueError, KeyError, TypeError):
+                named = None
+        if "Verification: OK" not in checked.stdout:
+            why = (checked.stderr or checked.stdout).strip().splitlines()
+            problems.append(f"the timestamp token of seal {sent['seal'][:12]} does not verify: "
+                            f"{why[-1] if why else checked.returncode}")  # fmt: skip
+        elif named is None or named["hash"] != sent["seal"]:
+            problems.append(f"the timestamped message names another seal than {sent['seal']}")
+        else:
+            anchored.append(named["hash"])
+    return anchored, problems
+
+
 def _counted(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
@@ -172,12 +216,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HASH",
         help="a seal hash from the ledger's log; the bundle's events it seals are anchored",
     )
+    parser.add_argument(
+        "--tsa-roots",
+        type=Path,
+        metavar="PEM",
+        help="the time-stamping authority's root certificates: its token anchors the bundle",
+    )
     args = parser.parse_args(argv)
     bundle = opened(args.bundle)
     if not (bundle / "manifest.json").exists():
         print(f"FAIL {args.bundle}: no manifest.json, not an evidence bundle")
         return 1
-    problems, anchored = verify(bundle, args.seal)
+    timestamped, problems = (
+        timestamped_seals(bundle, args.tsa_roots) if args.tsa_roots else ([], [])
+    )
+    args.seal += timestamped
+    found, anchored = verify(bundle, args.seal)
+    problems += found
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
@@ -185,12 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     events = len(_lines(bundle / "events.jsonl"))
     seals = len(_lines(bundle / "seals.jsonl"))
     print(f"OK: {_counted(events, 'event')} and {_counted(seals, 'seal')} verified")
+    if timestamped:
+        print(f"timestamped: the authority's token of seal {timestamped[0]} verifies")
     if args.seal:
         print(f"anchored: {anchored} of {events} events are sealed by the given seal(s)")
     else:
         print("not anchored: pass --seal HASH, a seal hash from the ledger's log")
         if (bundle / "anchors.jsonl").exists():
             for sent in _lines(bundle / "anchors.jsonl"):
+                if "token" in sent:
+                    print(
+                        f"a time-stamping authority ({sent['url']}) signed seal {sent['seal']} "
+                        f"({sent['receipt']}): pass --tsa-roots with its root certificates"
+                    )
+                    continue
                 print(
                     f"the ledger says it sent seal {sent['seal']} to {sent['url']} at "
                     f"{sent['sent_at']} (receipt {sent['receipt'][:80]!r}): ask that store "

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import json
 import os
@@ -19,6 +20,11 @@ from typing import Any
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID as EKU
+from cryptography.x509.oid import NameOID
 from django.contrib.auth.models import Group, User
 from django.core.cache import cache
 from django.db import connection, connections, transaction
@@ -318,6 +324,28 @@ def person(name: str, *groups: str) -> Client:
     return client
 
 
+@contextmanager
+def served(server: ThreadingHTTPServer) -> Iterator[None]:
+    """The server answering, in a thread of its own, until the block ends."""
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def answer(
+    handler: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str = ""
+) -> None:
+    handler.send_response(status)
+    if content_type:
+        handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @dataclass
 class AnchorStore:
     """A log store that takes what it is sent: each request's headers and body, and
@@ -344,22 +372,117 @@ def serving_anchor_store(tls: ssl.SSLContext | None = None) -> Iterator[AnchorSt
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             taken.received.append((dict(self.headers), body))
-            receipt = f"record-{len(taken.received)}".encode()
-            self.send_response(taken.status)
-            self.send_header("Content-Length", str(len(receipt)))
-            self.end_headers()
-            self.wfile.write(receipt)
+            answer(self, taken.status, f"record-{len(taken.received)}".encode())
 
     server.RequestHandlerClass = Takes
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with served(server):
         yield taken
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture
 def anchor_store() -> Iterator[AnchorStore]:
     with serving_anchor_store() as store:
         yield store
+
+
+# A time-stamping authority (RFC 3161) --------------------------------------------------
+
+OPENSSL = "/usr/bin/openssl"  # Debian's, as on every machine of this project's kind
+
+
+@dataclass
+class TimestampAuthority:
+    """A time-stamping authority served by `openssl ts -reply`, under a root of its own
+    (`roots`, the PEM file a ledger checks its tokens against)."""
+
+    url: str
+    roots: Path
+    # The message digests it signs; a request for another is answered with a refusal.
+    digests: str = "sha256"
+    queries: int = 0
+
+
+def certificate(
+    subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificate | None = None,
+    signer: ec.EllipticCurvePrivateKey | None = None,
+) -> x509.Certificate:  # fmt: skip
+    """A root certificate, or one for a time-stamping unit that `issuer` signs."""
+    now = dt.datetime.now(dt.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    built = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer.subject if issuer else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(days=1))
+        .not_valid_after(now + dt.timedelta(days=30))
+    )
+    if issuer is None:
+        built = built.add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+    else:
+        built = built.add_extension(x509.ExtendedKeyUsage([EKU.TIME_STAMPING]), critical=True)
+    return built.sign(signer or key, hashes.SHA256())
+
+
+def pem(certificate: x509.Certificate) -> bytes:
+    return certificate.public_bytes(serialization.Encoding.PEM)
+
+
+@contextmanager
+def serving_authority(directory: Path) -> Iterator[TimestampAuthority]:
+    directory.mkdir()
+    root_key, unit_key = (
+        ec.generate_private_key(ec.SECP256R1()),
+        ec.generate_private_key(ec.SECP256R1()),
+    )
+    root = certificate("Test TSA root", root_key)
+    (directory / "root.pem").write_bytes(pem(root))
+    (directory / "unit.pem").write_bytes(pem(certificate("Test TSA", unit_key, root, root_key)))
+    (directory / "unit.key").write_bytes(
+        unit_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    (directory / "serial").write_text("01\n")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    authority = TimestampAuthority(
+        f"http://127.0.0.1:{server.server_address[1]}/tsa", directory / "root.pem"
+    )
+
+    class Signs(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            authority.queries += 1
+            query = directory / f"query-{authority.queries}.tsq"
+            query.write_bytes(self.rfile.read(int(self.headers["Content-Length"])))
+            (directory / "ts.cnf").write_text(
+                "[ tsa ]\ndefault_tsa = unit\n[ unit ]\n"
+                f"serial = {directory / 'serial'}\nsigner_digest = sha256\n"
+                f"default_policy = 1.2.3.4.1\ndigests = {authority.digests}\n"
+                "accuracy = secs:1\ness_cert_id_alg = sha256\n"
+            )
+            reply = subprocess.run(
+                [OPENSSL, "ts", "-reply", "-config", directory / "ts.cnf",
+                 "-queryfile", query, "-signer", directory / "unit.pem",
+                 "-inkey", directory / "unit.key"],
+                capture_output=True, check=True, timeout=30,
+            ).stdout  # fmt: skip
+            answer(self, 200, reply, "application/timestamp-reply")
+
+    server.RequestHandlerClass = Signs
+    with served(server):
+        yield authority
+
+
+@pytest.fixture
+def authority(tmp_path: Path, settings: Any) -> Iterator[TimestampAuthority]:
+    with serving_authority(tmp_path / "tsa") as serving:
+        settings.LEDGER_ANCHOR_URL = serving.url
+        settings.LEDGER_ANCHOR_PROTOCOL = "rfc3161"
+        settings.LEDGER_ANCHOR_TSA_ROOTS = str(serving.roots)
+        yield serving

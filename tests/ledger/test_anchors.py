@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import re
 import ssl
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,16 @@ from ledger.integrity import seal_events
 from ledger.metrics import background_work
 from ledger.models import AdminAction, Anchor, Seal
 from ledger.tasks import anchor_hashes
-from tests.conftest import AnchorStore, Api, person, serving_anchor_store
+from tests.conftest import (
+    OPENSSL,
+    AnchorStore,
+    Api,
+    TimestampAuthority,
+    person,
+    serving_anchor_store,
+    serving_authority,
+)
+from tests.ledger.conftest import superuser_sql
 from tests.ledger.test_metrics import scrape
 
 
@@ -225,3 +236,92 @@ def test_the_anchoring_waits_on_its_store_beside_the_probes_not_the_sweep() -> N
     expect to wait, not on the one the sweep and the sealer share."""
     routed = current_app.amqp.router.route({}, "ledger.tasks.anchor_hashes")
     assert routed["queue"].name == django_settings.LEDGER_PROBE_QUEUE != "celery"
+
+
+def test_a_time_stamping_authority_signs_the_newest_hashes_and_its_token_is_checked(
+    api: Api, authority: TimestampAuthority, tmp_path: Path
+) -> None:
+    """The authority is sent the digest of the hashes' message and signs it with the
+    time: the ledger keeps its token, which verifies (by OpenSSL too, as an auditor
+    holding the root certificate would check it) and which verify_ledger checks."""
+    action = AdminAction.record(actor="cli:ada", action="token_issued", target="runtime a")
+    seal = sealed(api, "inv-1")
+    before = timezone.now().replace(microsecond=0)
+    assert anchor_hashes.run() is True
+    assert anchor_hashes.run() is False  # nothing new: not sent again
+    assert authority.queries == 1
+    anchor = Anchor.objects.get()
+    assert (anchor.seal_hash, anchor.action_hash, anchor.url) == (
+        seal.hash,
+        action.hash,
+        authority.url,
+    )
+    assert re.fullmatch(r"genTime \S+ serial \d+", anchor.receipt)
+    assert anchors.check_token(anchor) >= before
+
+    (tmp_path / "message.json").write_bytes(anchors.message(seal, action))
+    (tmp_path / "token.tsr").write_bytes(bytes(anchor.token or b""))
+    audited = subprocess.run(
+        [OPENSSL, "ts", "-verify", "-data", tmp_path / "message.json",
+         "-in", tmp_path / "token.tsr", "-CAfile", authority.roots],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert "Verification: OK" in audited.stdout, audited.stderr
+
+    out = io.StringIO()
+    call_command("verify_ledger", stdout=out)
+    assert (
+        f"timestamped: the 1 anchor token(s) verify against LEDGER_ANCHOR_TSA_ROOTS; the "
+        f"newest, of seal {seal.hash}, was signed at "
+    ) in out.getvalue()
+    page = person("cora", "compliance").get("/audit/verify/").content.decode()
+    assert f"<td>verifies: signed {anchors.check_token(anchor).isoformat()}</td>" in page
+
+
+def test_a_token_that_does_not_verify_or_a_refusal_is_not_kept(
+    api: Api,
+    authority: TimestampAuthority,
+    tmp_path: Path,
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Signed under a root the ledger was not given (another authority's, or a
+    stand-in's), or refused: nothing is recorded as anchored, the log says why, and the
+    next run asks again."""
+    sealed(api, "inv-1")
+    with serving_authority(tmp_path / "other") as other:
+        settings.LEDGER_ANCHOR_TSA_ROOTS = str(other.roots)
+        assert anchor_hashes.run() is False
+    settings.LEDGER_ANCHOR_TSA_ROOTS = str(authority.roots)
+    authority.digests = "sha512"  # the ledger asks for SHA-256
+    assert anchor_hashes.run() is False
+    assert not Anchor.objects.exists()
+    assert "timestamp token does not verify" in caplog.text
+    assert "the authority refused (rejection): Message digest algorithm is not supported." in (
+        caplog.text
+    )
+    authority.digests = "sha256"
+    assert anchor_hashes.run() is True
+    assert authority.queries == 3
+
+
+def test_a_seal_rewritten_after_it_was_timestamped_breaks_its_token(
+    api: Api, authority: TimestampAuthority
+) -> None:
+    """Whoever rewrites the database can recompute every hash, not the authority's
+    signature: the token no longer verifies over what the rows give."""
+    seal = sealed(api, "inv-1")
+    assert anchor_hashes.run() is True
+    superuser_sql(
+        "UPDATE ledger_seal SET created_at = created_at - interval '1 day' WHERE id = %s",
+        seal.pk,
+    )
+    out = io.StringIO()
+    with pytest.raises(CommandError, match="broken link"):
+        call_command("verify_ledger", stdout=out)
+    anchor = Anchor.objects.get()
+    assert (
+        f"BROKEN anchor {anchor.pk}'s timestamp token does not verify (Mismatch between messages)"
+    ) in out.getvalue()
+    page = person("cora", "compliance").get("/audit/verify/").content.decode()
+    assert '<td class="behind">does not verify: Mismatch between messages</td>' in page

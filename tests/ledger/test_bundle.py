@@ -23,7 +23,7 @@ from ledger.integrity import seal_events
 from ledger.models import Capability
 from ledger.tasks import anchor_hashes, seal_new_events
 from ledger.verify_bundle import merkle_root, sha256
-from tests.conftest import AnchorStore, Api, person
+from tests.conftest import AnchorStore, Api, TimestampAuthority, person, serving_authority
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,10 +41,14 @@ def bundle(api: Api, refund: Capability, tmp_path: Path) -> Path:
 
 
 def verify(folder: Path, *seals: str) -> subprocess.CompletedProcess[str]:
-    """The standalone command, in a Python with nothing but the standard library."""
-    anchors = [arg for seal in seals for arg in ("--seal", seal)]
+    """The standalone command, in a Python with nothing but the standard library, given
+    seal hashes (`--seal`)."""
+    return verify_with(folder, *[arg for seal in seals for arg in ("--seal", seal)])
+
+
+def verify_with(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-S", "-m", "ledger.verify_bundle", str(folder), *anchors],
+        [sys.executable, "-S", "-m", "ledger.verify_bundle", str(folder), *args],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
 
@@ -211,6 +215,48 @@ def test_a_bundle_reaches_the_seal_its_anchor_store_holds(
     )
     (folder / "anchors.jsonl").write_text("{}\n")  # the file is in the manifest
     assert "anchors.jsonl: sha256" in verify(folder).stdout
+
+
+def test_a_time_stamping_authoritys_token_anchors_the_bundle_offline(
+    api: Api, refund: Capability, tmp_path: Path, authority: TimestampAuthority
+) -> None:
+    """The bundle carries the authority's token and the message it signed: with the
+    authority's root certificate, OpenSSL checks the signature and the seal the message
+    names anchors the bundle, no store's copy asked for. Under another root, or with
+    the message rewritten to name a forged seal, it does not."""
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    api.outcome("inv-1", "a1", kind="succeeded", business_reference="RF-1")
+    assert seal_new_events.run() == 3
+    assert anchor_hashes.run() is True
+    folder = tmp_path / "bundle"
+    call_command("export_bundle", str(folder), "--invocation", "inv-1")
+    (seal,) = [json.loads(line) for line in (folder / "seals.jsonl").read_text().splitlines()]
+
+    unanchored = verify(folder).stdout.splitlines()
+    assert unanchored[2].startswith(
+        f"a time-stamping authority ({authority.url}) signed seal {seal['hash']} (genTime "
+    )
+    anchored = verify_with(folder, "--tsa-roots", str(authority.roots))
+    assert anchored.returncode == 0, anchored.stdout
+    assert anchored.stdout.splitlines()[1:] == [
+        f"timestamped: the authority's token of seal {seal['hash']} verifies",
+        "anchored: 3 of 3 events are sealed by the given seal(s)",
+    ]
+
+    with serving_authority(tmp_path / "other") as other:
+        refused = verify_with(folder, "--tsa-roots", str(other.roots))
+    assert refused.returncode == 1
+    assert f"FAIL the timestamp token of seal {seal['hash'][:12]} does not verify: " in (
+        refused.stdout
+    )
+    message = json.loads((folder / "anchor-message.json").read_text())
+    message["seal"]["hash"] = "9" * 64
+    forge(folder, "anchor-message.json", json.dumps(message))
+    forged = verify_with(folder, "--tsa-roots", str(authority.roots))
+    assert forged.returncode == 1
+    assert f"FAIL the timestamp token of seal {seal['hash'][:12]} does not verify: " in (
+        forged.stdout
+    )
 
 
 def forge_everything(folder: Path) -> None:

@@ -30,6 +30,9 @@ def check(**env: str) -> subprocess.CompletedProcess[str]:
         ("LEDGER_SWEEP_INTERVAL_SECONDS", "-5", "must be at least 1, not -5"),
         ("LEDGER_PROBE_BACKOFF_SECONDS", "-1", "must be at least 0, not -1"),
         ("LEDGER_VERIFY_INTERVAL_SECONDS", "soon", "must be an integer, not 'soon'"),
+        ("LEDGER_ANCHOR_PROTOCOL", "xml", "must be json or rfc3161, not 'xml'"),
+        # A token nothing can check proves nothing.
+        ("LEDGER_ANCHOR_PROTOCOL", "rfc3161", "rfc3161 needs LEDGER_ANCHOR_TSA_ROOTS"),
     ],
 )
 def test_a_setting_that_could_not_work_stops_the_ledger_from_starting(

@@ -48,12 +48,21 @@ class Command(BaseCommand):
     ) -> None:
         report = verify(since=since, until=until, projections=projections)
         missing = anchors.not_held(anchored)
+        try:
+            tokens = anchors.check_tokens()
+        except anchors.TokenBroken as exc:  # the roots file unreadable
+            raise CommandError(f"timestamp tokens not checked: {exc}") from None
         for broken in report.breaks:
             self.stdout.write(f"BROKEN {broken}")
         for hash_ in missing:
             self.stdout.write(
                 f"BROKEN anchored hash {hash_} is no seal's or action's in the ledger: the "
                 "chains were rewritten after it was kept, or it was mistyped"
+            )
+        for anchor_id, why in tokens.broken:
+            self.stdout.write(
+                f"BROKEN anchor {anchor_id}'s timestamp token does not verify ({why}): its "
+                "seal or action row was rewritten after it was timestamped, or the token was"
             )
         if report.projections_broken:
             self.stdout.write(
@@ -64,13 +73,24 @@ class Command(BaseCommand):
             self.stdout.write(UNEXPLAINED_HISTORY_ADVICE)
         if report.capabilities_unrecorded:
             self.stdout.write(CAPABILITY_ADVICE)
-        if not report.ok or missing:
-            raise CommandError(
-                f"{len(report.breaks) + len(missing)} broken link(s) in {report.summary}"
-            )
+        breaks = len(report.breaks) + len(missing) + len(tokens.broken)
+        if breaks:
+            raise CommandError(f"{breaks} broken link(s) in {report.summary}")
         self.stdout.write(f"OK: {report.summary} verified")
         if anchored:
             self.stdout.write(f"anchored: the ledger holds each of the {len(anchored)} hash(es)")
+        if tokens.newest is not None:
+            timestamped, signed_at = tokens.newest
+            self.stdout.write(
+                f"timestamped: the {tokens.checked} anchor token(s) verify against "
+                f"LEDGER_ANCHOR_TSA_ROOTS; the newest, of seal {timestamped.seal_hash or '-'}, "
+                f"was signed at {signed_at.isoformat()} by {timestamped.url}"
+            )
+        if tokens.unchecked:
+            self.stdout.write(
+                f"{tokens.unchecked} anchor timestamp token(s) not checked: set "
+                "LEDGER_ANCHOR_TSA_ROOTS to the authority's root certificates"
+            )
         if report.newest_seal is not None:
             seal = report.newest_seal
             self.stdout.write(
