@@ -274,6 +274,8 @@ def test_a_time_stamping_authority_signs_the_newest_hashes_and_its_token_is_chec
         f"timestamped: the 1 anchor token(s) verify against LEDGER_ANCHOR_TSA_ROOTS; the "
         f"newest, of seal {seal.hash}, was signed at "
     ) in out.getvalue()
+    assert "(receipt 'genTime " in out.getvalue()
+    assert "its timestamp token is checked above" in out.getvalue()
     page = person("cora", "compliance").get("/audit/verify/").content.decode()
     assert f"<td>verifies: signed {anchors.check_token(anchor).isoformat()}</td>" in page
 

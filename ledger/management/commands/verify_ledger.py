@@ -102,5 +102,9 @@ class Command(BaseCommand):
                 f"newest anchor: seal {anchor.seal_hash or '-'}, "
                 f"action {anchor.action_hash or '-'}, sent to {anchor.url} "
                 f"at {anchor.sent_at.isoformat()} (receipt {anchor.receipt[:80]!r}); "
-                "check them with --anchored against the store's copy"
+                + (
+                    "its timestamp token is checked above"
+                    if anchor.token is not None
+                    else "check them with --anchored against the store's copy"
+                )
             )
