@@ -4,7 +4,7 @@ export UV_PYTHON_DOWNLOADS := never
 UV_VERSION := 0.13.8
 UV := $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 
-.PHONY: run test lint deps bench browser promtool
+.PHONY: run test lint deps bench test-tools
 
 deps:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet "uv==$(UV_VERSION)"
@@ -15,22 +15,24 @@ run: deps
 	$(UV) run --frozen python -m ledger.run
 
 ## Lint, type-check and run the whole test suite against PostgreSQL and Redis.
-test: deps lint browser promtool
+test: deps lint test-tools
 	$(UV) run --frozen pytest
 	@# Then the workers' tests marked embedded_broker again, on the broker `make run` uses.
 	CELERY_BROKER_URL=filesystem://localhost// LEDGER_DATA_DIR="$$(mktemp -d)" \
 		$(UV) run --frozen pytest -m embedded_broker
 
-# The console's journeys run in Debian's Chromium; install it if this machine has none.
-browser:
+# What the tests drive besides Python, from Debian when this machine has none of it:
+# Chromium (the console's journeys), promtool from the prometheus package (the alerting
+# rules; the server is installed, never started) and OpenSSL (a time-stamping authority,
+# and an auditor's check of its tokens).
+test-tools:
 	@[ -x /usr/bin/chromium ] || (apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
-
-# The alerting rules in docs/prometheus are checked with promtool, from Debian's
-# prometheus package (the server is installed, never started).
-promtool:
-	@command -v promtool >/dev/null || (apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus)
+	@missing=""; \
+	command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	[ -x /usr/bin/openssl ] || missing="$$missing openssl"; \
+	[ -z "$$missing" ] || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends $$missing)
 
 lint: deps
 	$(UV) run --frozen ruff check .

@@ -20,7 +20,7 @@ PROMTOOL = shutil.which("promtool")
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    assert PROMTOOL, "promtool is not installed: `make promtool` installs it (apt, prometheus)"
+    assert PROMTOOL, "promtool is not installed: `make test-tools` installs it (apt, prometheus)"
     return subprocess.run([PROMTOOL, *args], cwd=RULES, capture_output=True, text=True, timeout=120)
 
 
