@@ -199,6 +199,8 @@ def timestamped_seals(folder: Path | zipfile.Path, roots: Path) -> tuple[list[st
             problems.append(f"the timestamped message names another seal than {sent['seal']}")
         else:
             anchored.append(named["hash"])
+    if not anchored and not problems:
+        problems.append("--tsa-roots given, but this bundle carries no timestamp token")
     return anchored, problems
 
 

@@ -217,6 +217,15 @@ def test_a_bundle_reaches_the_seal_its_anchor_store_holds(
     assert "anchors.jsonl: sha256" in verify(folder).stdout
 
 
+def test_a_bundle_without_a_timestamp_token_is_not_taken_as_timestamped(
+    bundle: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "roots.pem").write_text("")
+    checked = verify_with(bundle, "--tsa-roots", str(tmp_path / "roots.pem"))
+    assert checked.returncode == 1
+    assert "FAIL --tsa-roots given, but this bundle carries no timestamp token" in checked.stdout
+
+
 def test_a_time_stamping_authoritys_token_anchors_the_bundle_offline(
     api: Api, refund: Capability, tmp_path: Path, authority: TimestampAuthority
 ) -> None:
