@@ -32,14 +32,17 @@ import email.utils
 import hashlib
 import http.cookiejar
 import importlib
+import ipaddress
 import logging
 import os
 import re
+import socket
 import ssl
 import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -415,8 +418,24 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> httpcore.NetworkStream:
-        stream = self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _DeadlineStream(stream)
+        """Connected to the first of the host's addresses that answers, its name looked
+        up and the connection made within `timeout` together: socket.create_connection,
+        which httpcore calls, gives the resolver as long as it takes."""
+        started = time.monotonic()
+        failed: Exception = httpcore.ConnectError(f"no address found for {host!r}")
+        for address in _looked_up(host, port, timeout):
+            left = None if timeout is None else timeout - (time.monotonic() - started)
+            if left is not None and left <= 0:
+                raise httpcore.ConnectTimeout("timed out")
+            try:
+                stream = self._backend.connect_tcp(
+                    address, port, left, local_address, socket_options
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                failed = exc  # the next address may answer: ::1 refused, 127.0.0.1 not
+                continue
+            return _DeadlineStream(stream)
+        raise failed
 
     def connect_unix_socket(
         self,
@@ -428,6 +447,44 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
+
+
+# Name lookups that may run at once in a process. glibc's getaddrinfo cannot be
+# stopped or given a timeout: a lookup the resolver does not answer keeps its thread
+# until the resolver gives up (its own timeouts and attempts, resolv.conf), so each
+# runs apart and is waited for the probe's connect timeout at most.
+LOOKUPS_AT_ONCE = 8
+_lookup_slots = threading.BoundedSemaphore(LOOKUPS_AT_ONCE)
+
+
+def _looked_up(host: str, port: int, timeout: float | None) -> list[str]:
+    """The host's addresses, in the resolver's order; an IP address is its own."""
+    try:
+        return [str(ipaddress.ip_address(host))]
+    except ValueError:
+        pass
+    unanswered = f"name lookup of {host!r} not answered within the connect timeout"
+    started = time.monotonic()
+    if not _lookup_slots.acquire(timeout=timeout):
+        raise httpcore.ConnectTimeout(f"{unanswered}: {LOOKUPS_AT_ONCE} lookups still wait")
+    answer: Future[list[str]] = Future()
+
+    def look_up() -> None:
+        try:
+            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            answer.set_result(list(dict.fromkeys(str(sockaddr[0]) for *_, sockaddr in found)))
+        except OSError as exc:
+            answer.set_exception(exc)
+        finally:
+            _lookup_slots.release()
+
+    threading.Thread(target=look_up, name="probe-lookup", daemon=True).start()
+    try:
+        return answer.result(None if timeout is None else timeout - (time.monotonic() - started))
+    except TimeoutError:
+        raise httpcore.ConnectTimeout(unanswered) from None
+    except OSError as exc:  # as httpcore maps socket.create_connection's
+        raise httpcore.ConnectError(str(exc)) from exc
 
 
 def _reading_by_deadline(client: httpx.Client) -> httpx.Client:

@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import importlib
 import json
+import socket
 import ssl
 import threading
 import tracemalloc
@@ -278,6 +279,97 @@ def test_a_probe_through_the_proxy_the_environment_names_keeps_its_deadline_too(
         (probes.Finding.INCONCLUSIVE, f"ReadTimeout: {probes.ANSWER_LATE}")
     ]
     wait_for(lambda: standin.refunds.heads_cut == 1)
+
+
+class Resolver:
+    """The system resolver, for the business system's name (payments.ledger-test): its
+    addresses, once `answering` is set."""
+
+    NAME = "payments.ledger-test"
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *addresses: str) -> None:
+        self.addresses = addresses
+        self.answering = threading.Event()
+        self.real = socket.getaddrinfo
+        monkeypatch.setattr(socket, "getaddrinfo", self.getaddrinfo)
+
+    def getaddrinfo(self, host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != self.NAME:
+            return self.real(host, port, *args, **kwargs)
+        self.answering.wait(timeout=5)  # as a resolver's own timeout would end it
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", (address, port))
+            for address in self.addresses
+        ]
+
+
+def by_name(standin: StandInService, config: dict[str, Any]) -> dict[str, Any]:
+    port = standin.server.server_address[1]
+    url = f"http://{Resolver.NAME}:{port}/refunds?idempotency_key={{idempotency_key}}"
+    return {**config, "url": url, "connect_timeout": 0.5}
+
+
+def test_a_name_the_resolver_does_not_answer_is_given_the_connect_timeout(
+    api: Api, refunds: Capability, standin: StandInService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """socket.create_connection, which httpx's connections call, waits for the resolver
+    as long as it takes (here 5 s, glibc's default timeout; 30 s and more with several
+    name servers and attempts). The lookup is the connection's first step: the connect
+    timeout bounds it. The refund happened, and the answer, once looked up, says so."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    resolver = Resolver(monkeypatch, "127.0.0.1")
+    result = probes.run(by_name(standin, refunds.probe), invocation)
+    assert result is not None
+    assert (result.finding, result.detail) == (
+        probes.Finding.INCONCLUSIVE,
+        f"ConnectTimeout: name lookup of {Resolver.NAME!r} not answered within the connect timeout",
+    )
+    resolver.answering.set()
+    result = probes.run(by_name(standin, refunds.probe), invocation)
+    assert result is not None and result.finding is probes.Finding.PRESENT
+
+
+def test_lookups_left_unanswered_are_counted_not_a_thread_each_without_end(
+    api: Api, refunds: Capability, standin: StandInService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup the resolver leaves unanswered keeps its thread, as getaddrinfo cannot
+    be stopped; a worker's (here one) all waiting, the next probe does not start one."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    monkeypatch.setattr(probes, "LOOKUPS_AT_ONCE", 1)
+    monkeypatch.setattr(probes, "_lookup_slots", threading.BoundedSemaphore(1))
+    resolver = Resolver(monkeypatch, "127.0.0.1")
+    details = [
+        result and result.detail
+        for result in (probes.run(by_name(standin, refunds.probe), invocation) for _ in "12")
+    ]
+    unanswered = f"name lookup of {Resolver.NAME!r} not answered within the connect timeout"
+    assert details == [
+        f"ConnectTimeout: {unanswered}",
+        f"ConnectTimeout: {unanswered}: 1 lookups still wait",
+    ]
+    resolver.answering.set()
+    wait_for(lambda: probes._lookup_slots.acquire(blocking=False))
+    probes._lookup_slots.release()
+    result = probes.run(by_name(standin, refunds.probe), invocation)
+    assert result is not None and result.finding is probes.Finding.PRESENT
+
+
+def test_a_name_is_tried_at_each_of_its_addresses_in_turn(
+    api: Api, refunds: Capability, standin: StandInService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As socket.create_connection does: a name's first address refusing (the business
+    system's IPv6 address, say, where it does not listen) is not the probe's answer."""
+    invocation = flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    Resolver(monkeypatch, "127.0.0.2", "127.0.0.1").answering.set()
+    result = probes.run(by_name(standin, refunds.probe), invocation)
+    assert result is not None and result.finding is probes.Finding.PRESENT
+    Resolver(monkeypatch, "127.0.0.2").answering.set()
+    result = probes.run(by_name(standin, refunds.probe), invocation)
+    assert result is not None
+    assert result.detail == "ConnectError: [Errno 111] Connection refused"
 
 
 @pytest.mark.parametrize("mode", ["gzip", "deflate", "deflate_raw"])
