@@ -177,25 +177,26 @@ def redact(value: Any, paths: Iterable[str] = (), *, mask_all: bool = False) -> 
     """A copy with secret-looking keys, listed dotted paths (or, with mask_all,
     every leaf value) replaced by a marker. Lists are traversed with `[]` elided:
     `items.card` masks `card` in every element of `items`."""
-    listed = frozenset(paths)
+    return _redacted(value, "", frozenset(paths), mask_all)
 
-    def walk(node: Any, path: str) -> Any:
-        if isinstance(node, Mapping):
-            out = {}
-            for key, item in node.items():
-                child = f"{path}.{key}" if path else str(key)
-                if child in listed or SECRET_KEY_PATTERN.search(str(key)) is not None:
-                    out[key] = REDACTED
-                else:
-                    out[key] = walk(item, child)
-            return out
-        if isinstance(node, list):
-            return [walk(item, path) for item in node]
-        if mask_all and node is not None:
-            return REDACTED
-        return node
 
-    return walk(value, "")
+def _redacted(node: Any, path: str, listed: frozenset[str], mask_all: bool) -> Any:
+    # A function of its own, not a closure calling itself: that is a reference cycle,
+    # garbage for the collector to find on every write.
+    if isinstance(node, Mapping):
+        out = {}
+        for key, item in node.items():
+            child = f"{path}.{key}" if path else str(key)
+            if child in listed or SECRET_KEY_PATTERN.search(str(key)) is not None:
+                out[key] = REDACTED
+            else:
+                out[key] = _redacted(item, child, listed, mask_all)
+        return out
+    if isinstance(node, list):
+        return [_redacted(item, path, listed, mask_all) for item in node]
+    if mask_all and node is not None:
+        return REDACTED
+    return node
 
 
 def event_hash(prev_hash: str, body: Mapping[str, Any]) -> str:
