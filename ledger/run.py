@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
@@ -43,7 +44,12 @@ COUNTS = {"WORKER_CONCURRENCY": "2", "PROBE_THREADS": "4"}
 
 
 def start_embedded_postgres() -> object:
-    import pgserver  # only needed on embedded defaults
+    with warnings.catch_warnings():
+        # pgserver asks platformdirs for the user's runtime directory (for its lock file)
+        # as it is imported. Without XDG_RUNTIME_DIR (a root shell, CI) platformdirs
+        # warns, at every start, and takes /tmp/runtime-UID, which serves as well.
+        warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
+        import pgserver  # only needed on embedded defaults
 
     from ledger import settings
 

@@ -130,6 +130,26 @@ def test_it_starts_after_a_crash_left_its_pid_to_another_process(data_dir: Path)
         impostor.wait()
 
 
+def test_it_starts_without_a_warning_where_the_user_has_no_runtime_directory(
+    data_dir: Path,
+) -> None:
+    """A root shell or CI sets no XDG_RUNTIME_DIR: platformdirs, asked for one by
+    pgserver, warned at every start, before anything the ledger says."""
+    env = {**os.environ, "LEDGER_DATA_DIR": str(data_dir)}
+    env.pop("XDG_RUNTIME_DIR", None)
+    started = subprocess.run(
+        [sys.executable, "-c", START.format(then="")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 0
+    assert started.stdout.startswith("embedded PostgreSQL ready")
+    assert started.stderr == ""
+
+
 # Commits a row, says so, then on a line of input checks the server as `make run` does
 # every half second, twice: once after the test has killed it, once more.
 KEEP = (
