@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 
-from ledger.api.errors import DATABASE_DOWN
+from ledger.db.errors import unavailable
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +28,7 @@ class DatabaseUnavailableMiddleware:
         return self.get_response(request)
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        down = isinstance(exception, DATABASE_DOWN) or (
-            isinstance(exception, DatabaseError) and isinstance(exception.__cause__, DATABASE_DOWN)
-        )
-        if not down:
+        if not unavailable(exception):
             return None
         log.warning("database unavailable path=%s error=%r", request.path, exception)
         response = HttpResponse(render_to_string("503.html"), status=503)

@@ -5,19 +5,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.db import DatabaseError, InterfaceError, OperationalError
 from django.http import Http404
-from psycopg_pool import PoolTimeout
 from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from ledger.api.parsers import PayloadTooLarge
+from ledger.db.errors import unavailable
 from ledger.services import LedgerError
 
 log = logging.getLogger(__name__)
-
-DATABASE_DOWN = (OperationalError, InterfaceError, PoolTimeout)
 
 
 def error_body(type: str, message: str, details: Any = None) -> dict[str, Any]:
@@ -59,9 +56,7 @@ TYPED = [
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, LedgerError):
         return Response(error_body(exc.type, exc.message, exc.details), status=exc.status)
-    if isinstance(exc, DATABASE_DOWN) or (
-        isinstance(exc, DatabaseError) and isinstance(exc.__cause__, DATABASE_DOWN)
-    ):
+    if unavailable(exc):
         log.warning("ledger_unavailable error=%r", exc)
         return Response(ledger_unavailable_body(), status=503)
     if isinstance(exc, Http404):

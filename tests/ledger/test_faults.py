@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from logging import WARNING
 from typing import Any
 
 import httpx
@@ -12,10 +14,12 @@ import psycopg
 import pytest
 from django.contrib.auth.models import Group, User
 from django.db import connection
-from django.db.utils import InternalError, ProgrammingError
+from django.db.utils import IntegrityError, InternalError, ProgrammingError
 from django.test import Client
 
 from ledger import services
+from ledger.celery import app
+from ledger.db.errors import connection_lost
 from ledger.models import (
     AdminAction,
     Attempt,
@@ -25,6 +29,7 @@ from ledger.models import (
     Invocation,
 )
 from reconciliation import views
+from reconciliation.tasks import sweep_overdue_attempts
 from tests.conftest import Api, intent_body
 
 
@@ -81,6 +86,71 @@ def test_an_unreachable_database_answers_503_ledger_unavailable(
     assert status == 503
     assert body["error"]["type"] == "ledger_unavailable"
     assert "safe to send the same request again" in body["error"]["message"]
+
+
+def database_error(query: Callable[[], object]) -> Exception:
+    with pytest.raises(Exception) as raised:
+        query()
+    connection.close()  # as Django's request and task ends close a failed connection
+    return raised.value
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_lost_connection_is_told_from_a_statement_postgres_refused(
+    refund: Capability, request: pytest.FixtureRequest
+) -> None:
+    """Each error as PostgreSQL and psycopg raise it, through Django's connection."""
+
+    def terminated() -> None:
+        own = connection.cursor().connection.info.backend_pid
+        with psycopg.connect(admin_conninfo(), autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", [own])
+        Capability.objects.count()
+
+    def cancelled() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SET statement_timeout = '50ms'")
+            cursor.execute("SELECT pg_sleep(5)")
+
+    def duplicate() -> None:
+        Capability.objects.create(scope=refund.scope)
+
+    lost = {"terminated": connection_lost(database_error(terminated))}
+    lost["cancelled"] = connection_lost(database_error(cancelled))
+    lost["duplicate"] = connection_lost(database_error(duplicate))
+    request.getfixturevalue("unreachable_database")
+    lost["refused"] = connection_lost(database_error(Capability.objects.count))
+    assert lost == {"terminated": True, "cancelled": False, "duplicate": False, "refused": True}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_that_finds_the_database_unreachable_logs_a_line_and_ends(
+    unreachable_database: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Celery logged an error with two tracebacks for every task that ran while
+    PostgreSQL was down or restarting (seen when `make run`'s was killed); nothing
+    rests on a task's message, and its next run does what it did not."""
+    assert sweep_overdue_attempts() is None
+    told = [(r.name, r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= WARNING]
+    # psycopg's pool says why it could not connect, each time it tries.
+    assert {name for name, *_ in told} == {"psycopg.pool", "ledger.celery"}
+    assert [(level, said) for name, level, said in told if name == "ledger.celery"] == [
+        (
+            "WARNING",
+            "task not done task=reconciliation.tasks.sweep_overdue_attempts database "
+            "unreachable: couldn't get a connection after 2.00 sec",
+        )
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_task_whose_statement_postgres_refuses_still_fails(refund: Capability) -> None:
+    @app.task(name="tests.register_twice")
+    def register_twice() -> None:
+        Capability.objects.create(scope=refund.scope)
+
+    with pytest.raises(IntegrityError):
+        register_twice()
 
 
 @pytest.mark.django_db(transaction=True)
