@@ -43,6 +43,7 @@ from rfc3161_client import (
     decode_timestamp_response,
 )
 
+from ledger import outbound
 from ledger.chain import canonical
 from ledger.models import AdminAction, Anchor, Seal
 
@@ -50,7 +51,11 @@ log = logging.getLogger(__name__)
 
 # The most of the store's answer kept as its receipt.
 RECEIPT_CHARS = 1000
-TIMEOUT = httpx.Timeout(10.0, connect=5.0)
+# How long the store is given to take a connection, and each read of its answer;
+# together, the whole answer.
+CONNECT_SECONDS, READ_SECONDS = 5.0, 10.0
+# The most of a store's answer read: a receipt, or a timestamp token of a few KiB.
+ANSWER_MAX_BYTES = 64 * 1024
 
 
 class AnchorRefused(Exception):
@@ -133,10 +138,24 @@ def anchor_newest() -> Anchor | None:
 
 
 def _sent(url: str, headers: dict[str, str], **body: Any) -> httpx.Response:
+    """The store's answer, read whole within its connect and read timeouts and
+    ANSWER_MAX_BYTES (`ledger.outbound`): anchoring runs in a probe worker's thread,
+    which a store trickling its answer, or sending one without end, would hold."""
+    headers = {**headers, "Accept-Encoding": outbound.ACCEPT_ENCODING}
+    timeout = httpx.Timeout(READ_SECONDS, connect=CONNECT_SECONDS)
+    client = outbound.reading_by_deadline(httpx.Client(timeout=timeout, verify=_trust()))
     try:
-        answer = httpx.post(url, headers=headers, timeout=TIMEOUT, verify=_trust(), **body)
+        with (
+            client,
+            outbound.deadline(CONNECT_SECONDS + READ_SECONDS),
+            client.stream("POST", url, headers=headers, **body) as streamed,
+        ):
+            content = outbound.read_answer(streamed, ANSWER_MAX_BYTES)
     except httpx.HTTPError as exc:
         raise AnchorRefused(f"{type(exc).__name__}: {exc}"[:300]) from None
+    except outbound.UnreadAnswer as exc:
+        raise AnchorRefused(f"answered {streamed.status_code}: {exc}") from None
+    answer = httpx.Response(streamed.status_code, content=content)
     if not answer.is_success:
         raise AnchorRefused(f"answered {answer.status_code}: {answer.text[:200]!r}")
     return answer

@@ -32,28 +32,23 @@ import email.utils
 import hashlib
 import http.cookiejar
 import importlib
-import ipaddress
 import logging
 import os
 import re
-import socket
 import ssl
 import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-import httpcore
 import httpx
 from django.conf import settings
 from django.db import connections
 
+from ledger import outbound
 from ledger.models import Invocation
 from ledger.probe_config import SECRET, UNIDENTIFIED, URL_PLACEHOLDERS, identifies
 
@@ -262,7 +257,7 @@ def _http_client(tls: TlsFiles) -> httpx.Client:
         for stale in [built for built in clients if built.paths == tls.paths]:
             clients.pop(stale).close()
         no_cookies = http.cookiejar.DefaultCookiePolicy(allowed_domains=[])
-        clients[tls] = _reading_by_deadline(
+        clients[tls] = outbound.reading_by_deadline(
             httpx.Client(
                 follow_redirects=False,
                 cookies=http.cookiejar.CookieJar(policy=no_cookies),
@@ -289,215 +284,7 @@ def _tls_context(tls: TlsFiles) -> ssl.SSLContext | bool:
     return context
 
 
-# The most of an answer a probe reads: a lookup's answer is a few hundred bytes, and a
-# body without end would otherwise fill the worker's memory.
-ANSWER_MAX_BYTES = 1024 * 1024
-
-
-class UnreadAnswer(Exception):
-    """An answer too long, or too slow to finish, to be read."""
-
-
 USER_AGENT = "invocation-ledger-probe (read-only)"
-# The encodings a probe asks for and undoes itself, with their zlib window bits.
-ACCEPT_ENCODING = "gzip, deflate"
-ZLIB_WINDOWS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-class _Decoder:
-    """An answer's content-encoding undone as its parts arrive, never more than the room
-    left at a time. httpx's decoders inflate a whole read at once: one 64 KiB read of
-    gzip can hold 64 MiB."""
-
-    def __init__(self, encoding: str) -> None:
-        if encoding not in ("identity", *ZLIB_WINDOWS):
-            raise UnreadAnswer(f"answer encoded as {encoding!r}; a probe reads {ACCEPT_ENCODING}")
-        self.encoding = encoding
-        self.zlib = zlib.decompressobj(ZLIB_WINDOWS[encoding]) if encoding in ZLIB_WINDOWS else None
-        self.started = False
-
-    def decode(self, data: bytes, room: int) -> bytes:
-        if self.zlib is None:
-            decoded = data
-        else:
-            try:
-                decoded = self.zlib.decompress(data, room + 1)
-            except zlib.error as exc:
-                if self.encoding != "deflate" or self.started:
-                    raise UnreadAnswer(f"answer is not valid {self.encoding}: {exc}") from exc
-                # Some servers send deflate without its zlib header, as httpx allows.
-                self.zlib = zlib.decompressobj(-zlib.MAX_WBITS)
-                self.started = True
-                return self.decode(data, room)
-            self.started = self.started or bool(data)
-        if len(decoded) > room:
-            raise UnreadAnswer(f"answer over {ANSWER_MAX_BYTES} bytes")
-        return decoded
-
-    def finish(self) -> None:
-        if self.zlib is not None and self.started and not self.zlib.eof:
-            raise UnreadAnswer(f"answer's {self.encoding} stream ends early")
-
-
-def read_answer(response: httpx.Response) -> bytes:
-    """The body, decoded, within ANSWER_MAX_BYTES (its reads keep the probe's deadline,
-    _DeadlineStream)."""
-    declared = response.headers.get("content-length", "")
-    if declared.isdecimal() and int(declared) > ANSWER_MAX_BYTES:
-        raise UnreadAnswer(f"answer of {declared} bytes, over {ANSWER_MAX_BYTES}")
-    decoder = _Decoder(response.headers.get("content-encoding", "identity").strip().lower())
-    body = bytearray()
-    for chunk in response.iter_raw():
-        body += decoder.decode(chunk, room=ANSWER_MAX_BYTES - len(body))
-    decoder.finish()
-    return bytes(body)
-
-
-# When this thread's http probe must have its whole answer (its connect and read
-# timeouts from its start); None while no probe is asking.
-_answer_deadline: ContextVar[float | None] = ContextVar("answer_deadline", default=None)
-ANSWER_LATE = "answer not finished within the connect and read timeouts"
-
-
-def _until_deadline(timeout: float | None) -> float | None:
-    """A read's timeout, no later than the probe's deadline; past it, a read timeout."""
-    deadline = _answer_deadline.get()
-    if deadline is None:
-        return timeout
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise httpcore.ReadTimeout(ANSWER_LATE)
-    return left if timeout is None else min(timeout, left)
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    """A connection whose every read, of the status line and headers as of the body,
-    ends by the probe's deadline. httpx's read timeout bounds each read alone: a
-    business system sending a byte at a time could hold the probe, and its worker's
-    thread, for as long as it liked."""
-
-    def __init__(self, stream: httpcore.NetworkStream) -> None:
-        self._stream = stream
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            return self._stream.read(max_bytes, _until_deadline(timeout))
-        except httpcore.ReadTimeout:
-            _until_deadline(None)  # the deadline's timeout, if it is what ran out
-            raise
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, timeout)
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,
-    ) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._stream.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's connections, each a _DeadlineStream."""
-
-    def __init__(self, backend: httpcore.NetworkBackend) -> None:
-        self._backend = backend
-
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.NetworkStream:
-        """Connected to the first of the host's addresses that answers, its name looked
-        up and the connection made within `timeout` together: socket.create_connection,
-        which httpcore calls, gives the resolver as long as it takes."""
-        started = time.monotonic()
-        failed: Exception = httpcore.ConnectError(f"no address found for {host!r}")
-        for address in _looked_up(host, port, timeout):
-            left = None if timeout is None else timeout - (time.monotonic() - started)
-            if left is not None and left <= 0:
-                raise httpcore.ConnectTimeout("timed out")
-            try:
-                stream = self._backend.connect_tcp(
-                    address, port, left, local_address, socket_options
-                )
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                failed = exc  # the next address may answer: ::1 refused, 127.0.0.1 not
-                continue
-            return _DeadlineStream(stream)
-        raise failed
-
-    def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._backend.connect_unix_socket(path, timeout, socket_options))
-
-    def sleep(self, seconds: float) -> None:
-        self._backend.sleep(seconds)
-
-
-# Name lookups that may run at once in a process. glibc's getaddrinfo cannot be
-# stopped or given a timeout: a lookup the resolver does not answer keeps its thread
-# until the resolver gives up (its own timeouts and attempts, resolv.conf), so each
-# runs apart and is waited for the probe's connect timeout at most.
-LOOKUPS_AT_ONCE = 8
-_lookup_slots = threading.BoundedSemaphore(LOOKUPS_AT_ONCE)
-
-
-def _looked_up(host: str, port: int, timeout: float | None) -> list[str]:
-    """The host's addresses, in the resolver's order; an IP address is its own."""
-    try:
-        return [str(ipaddress.ip_address(host))]
-    except ValueError:
-        pass
-    unanswered = f"name lookup of {host!r} not answered within the connect timeout"
-    started = time.monotonic()
-    if not _lookup_slots.acquire(timeout=timeout):
-        raise httpcore.ConnectTimeout(f"{unanswered}: {LOOKUPS_AT_ONCE} lookups still wait")
-    answer: Future[list[str]] = Future()
-
-    def look_up() -> None:
-        try:
-            found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            answer.set_result(list(dict.fromkeys(str(sockaddr[0]) for *_, sockaddr in found)))
-        except OSError as exc:
-            answer.set_exception(exc)
-        finally:
-            _lookup_slots.release()
-
-    threading.Thread(target=look_up, name="probe-lookup", daemon=True).start()
-    try:
-        return answer.result(None if timeout is None else timeout - (time.monotonic() - started))
-    except TimeoutError:
-        raise httpcore.ConnectTimeout(unanswered) from None
-    except OSError as exc:  # as httpcore maps socket.create_connection's
-        raise httpcore.ConnectError(str(exc)) from exc
-
-
-def _reading_by_deadline(client: httpx.Client) -> httpx.Client:
-    """The client, its connections (direct, and through the proxies the environment
-    names) read by the probe's deadline. httpx has no timeout for a whole request and
-    takes no network backend, so the backend is given to its transports' connection
-    pools (httpx 0.28 and httpcore 1.0, pinned in uv.lock: the tests of answers
-    trickled a byte at a time fail if this stops reaching them)."""
-    for transport in (client._transport, *client._mounts.values()):
-        pool = getattr(transport, "_pool", None)
-        if isinstance(pool, httpcore.ConnectionPool):
-            pool._network_backend = _DeadlineBackend(pool._network_backend)
-    return client
 
 
 # How long an http probe waits for a connection of its client's and to send its request.
@@ -543,26 +330,26 @@ def http_probe(config: Mapping[str, Any], invocation: Invocation) -> ProbeResult
     headers = httpx.Headers(
         {
             "Accept": "application/json",
-            "Accept-Encoding": ACCEPT_ENCODING,
+            "Accept-Encoding": outbound.ACCEPT_ENCODING,
             "User-Agent": USER_AGENT,
         }
     )
     headers.update(_secret_headers(config.get("headers", {})))
     client = _http_client(tls_files(config))
-    deadline = _answer_deadline.set(time.monotonic() + connect + read)
     try:
-        with client.stream("GET", url, headers=headers, timeout=timeout) as streamed:
+        with (
+            outbound.deadline(connect + read),
+            client.stream("GET", url, headers=headers, timeout=timeout) as streamed,
+        ):
             summary["status"] = streamed.status_code
-            body = read_answer(streamed)
+            body = outbound.read_answer(streamed)
     except httpx.HTTPError as exc:
         # The reason as the network gave it ("Connection refused", "certificate verify
         # failed: …"): what an operator needs to tell a down system from a wrong CA.
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return ProbeResult(Finding.INCONCLUSIVE, detail=reason[:200], summary=summary)
-    except UnreadAnswer as exc:
+    except outbound.UnreadAnswer as exc:
         return ProbeResult(Finding.INCONCLUSIVE, detail=str(exc), summary=summary)
-    finally:
-        _answer_deadline.reset(deadline)
     decoded_headers = [
         (name, value)
         for name, value in streamed.headers.multi_items()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -354,6 +355,10 @@ class AnchorStore:
     url: str
     received: list[tuple[dict[str, str], Any]] = field(default_factory=list)
     status: int = 201
+    # "receipt"; "trickled", its status line and headers a byte every 50 ms; or "long",
+    # 8 MiB of receipt without a Content-Length.
+    answering: str = "receipt"
+    LONG_BYTES = 8 * 1024 * 1024
 
 
 @contextmanager
@@ -372,7 +377,26 @@ def serving_anchor_store(tls: ssl.SSLContext | None = None) -> Iterator[AnchorSt
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             taken.received.append((dict(self.headers), body))
-            answer(self, taken.status, f"record-{len(taken.received)}".encode())
+            receipt = f"record-{len(taken.received)}".encode()
+            if taken.answering == "receipt":
+                answer(self, taken.status, receipt)
+                return
+            with contextlib.suppress(OSError):  # the ledger hung up, as it should
+                self.answer_unusually(receipt)
+
+        def answer_unusually(self, receipt: bytes) -> None:
+            if taken.answering == "trickled":
+                for byte in b"HTTP/1.1 201 Created\r\nContent-Length: 8\r\n\r\n":
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(0.05)
+                self.wfile.write(receipt)
+                return
+            self.send_response(taken.status)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for _ in range(taken.LONG_BYTES // len(receipt)):
+                self.wfile.write(receipt)
 
     server.RequestHandlerClass = Takes
     with served(server):

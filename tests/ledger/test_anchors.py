@@ -22,7 +22,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from ledger import anchors
+from ledger import anchors, outbound
 from ledger.integrity import seal_events
 from ledger.metrics import background_work
 from ledger.models import AdminAction, Anchor, Seal
@@ -110,6 +110,37 @@ def test_a_store_that_does_not_take_them_is_sent_the_newest_when_it_does(
     assert anchor_hashes.run() is True
     assert anchor_store.received[-1][1]["seal"]["hash"] == newest.hash
     assert list(Anchor.objects.values_list("seal_hash", flat=True)) == [newest.hash]
+
+
+@pytest.mark.parametrize(
+    ("answering", "why"),
+    [
+        ("trickled", f"ReadTimeout: {outbound.ANSWER_LATE}"),
+        ("long", f"answered 201: answer over {anchors.ANSWER_MAX_BYTES} bytes"),
+    ],
+)
+def test_a_store_whose_answer_does_not_end_in_time_or_in_size_is_hung_up_on(
+    api: Api,
+    anchor_store: AnchorStore,
+    settings: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    answering: str,
+    why: str,
+) -> None:
+    """Anchoring runs in a probe worker's thread. httpx's timeouts bound each read, so
+    a store sending its answer a byte at a time held the thread as long as it liked
+    (here 2 s against timeouts of 0.5 s), and a receipt without end filled its memory:
+    both were taken. The ledger hangs up at its connect and read timeouts from the
+    start, or at ANSWER_MAX_BYTES, and records nothing."""
+    sealed(api, "inv-1")
+    monkeypatch.setattr(anchors, "CONNECT_SECONDS", 0.5)
+    monkeypatch.setattr(anchors, "READ_SECONDS", 0.5)
+    anchor_store.answering = answering
+    settings.LEDGER_ANCHOR_URL = anchor_store.url
+    assert anchor_hashes.run() is False
+    assert not Anchor.objects.exists()
+    assert f"anchor not taken url={anchor_store.url}: {why}" in caplog.text
 
 
 def test_without_a_store_nothing_is_sent_or_watched(

@@ -27,7 +27,7 @@ from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 
-from ledger import metrics, policy
+from ledger import metrics, outbound, policy
 from ledger.models import Capability, Invocation, NamedReference
 from ledger.probe_config import problems
 from ledger.services import LedgerError, flag_missing_evidence
@@ -211,9 +211,9 @@ def test_a_probe_that_times_out_or_cannot_connect_is_inconclusive(
 @pytest.mark.parametrize(
     ("mode", "detail"),
     [
-        ("trickle", f"ReadTimeout: {probes.ANSWER_LATE}"),
-        ("huge", f"answer of {HUGE_BYTES} bytes, over {probes.ANSWER_MAX_BYTES}"),
-        ("endless", f"answer over {probes.ANSWER_MAX_BYTES} bytes"),
+        ("trickle", f"ReadTimeout: {outbound.ANSWER_LATE}"),
+        ("huge", f"answer of {HUGE_BYTES} bytes, over {outbound.ANSWER_MAX_BYTES}"),
+        ("endless", f"answer over {outbound.ANSWER_MAX_BYTES} bytes"),
     ],
 )
 def test_an_answer_too_slow_to_finish_or_too_long_is_inconclusive_unread(
@@ -247,7 +247,7 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_off_at_the_probes_deadline(
     assert result is not None
     assert (result.finding, result.detail) == (
         probes.Finding.INCONCLUSIVE,
-        f"ReadTimeout: {probes.ANSWER_LATE}",
+        f"ReadTimeout: {outbound.ANSWER_LATE}",
     )
     wait_for(lambda: standin.refunds.heads_cut == 1)
 
@@ -276,7 +276,7 @@ def test_a_probe_through_the_proxy_the_environment_names_keeps_its_deadline_too(
     asking.start()
     asking.join()
     assert [(r and r.finding, r and r.detail) for r in results] == [
-        (probes.Finding.INCONCLUSIVE, f"ReadTimeout: {probes.ANSWER_LATE}")
+        (probes.Finding.INCONCLUSIVE, f"ReadTimeout: {outbound.ANSWER_LATE}")
     ]
     wait_for(lambda: standin.refunds.heads_cut == 1)
 
@@ -337,8 +337,8 @@ def test_lookups_left_unanswered_are_counted_not_a_thread_each_without_end(
     be stopped; a worker's (here one) all waiting, the next probe does not start one."""
     invocation = flagged(api)
     perform_refund(standin, "refund-SO-1")
-    monkeypatch.setattr(probes, "LOOKUPS_AT_ONCE", 1)
-    monkeypatch.setattr(probes, "_lookup_slots", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(outbound, "LOOKUPS_AT_ONCE", 1)
+    monkeypatch.setattr(outbound, "_lookup_slots", threading.BoundedSemaphore(1))
     resolver = Resolver(monkeypatch, "127.0.0.1")
     details = [
         result and result.detail
@@ -350,8 +350,8 @@ def test_lookups_left_unanswered_are_counted_not_a_thread_each_without_end(
         f"ConnectTimeout: {unanswered}: 1 lookups still wait",
     ]
     resolver.answering.set()
-    wait_for(lambda: probes._lookup_slots.acquire(blocking=False))
-    probes._lookup_slots.release()
+    wait_for(lambda: outbound._lookup_slots.acquire(blocking=False))
+    outbound._lookup_slots.release()
     result = probes.run(by_name(standin, refunds.probe), invocation)
     assert result is not None and result.finding is probes.Finding.PRESENT
 
@@ -408,10 +408,10 @@ def test_a_gzip_bomb_is_inconclusive_and_never_inflated_whole(
     assert result is not None
     assert (result.finding, result.detail) == (
         probes.Finding.INCONCLUSIVE,
-        f"answer over {probes.ANSWER_MAX_BYTES} bytes",
+        f"answer over {outbound.ANSWER_MAX_BYTES} bytes",
     )
     assert standin.refunds.encodings_sent == ["gzip"]
-    assert peak < 4 * probes.ANSWER_MAX_BYTES
+    assert peak < 4 * outbound.ANSWER_MAX_BYTES
 
 
 def test_an_answer_in_an_encoding_a_probe_does_not_read_is_inconclusive(
@@ -426,7 +426,7 @@ def test_an_answer_in_an_encoding_a_probe_does_not_read_is_inconclusive(
     assert result is not None
     assert (result.finding, result.detail) == (
         probes.Finding.INCONCLUSIVE,
-        "answer encoded as 'gzip, gzip'; a probe reads gzip, deflate",
+        "answer encoded as 'gzip, gzip'; the ledger reads gzip, deflate",
     )
 
 
@@ -436,9 +436,9 @@ def test_a_compressed_answer_cut_short_is_unread() -> None:
     cut = httpx.Response(
         200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(whole[:-8])
     )
-    with pytest.raises(probes.UnreadAnswer, match="answer's gzip stream ends early"):
-        probes.read_answer(cut)
-    read = probes.read_answer(
+    with pytest.raises(outbound.UnreadAnswer, match="answer's gzip stream ends early"):
+        outbound.read_answer(cut)
+    read = outbound.read_answer(
         httpx.Response(200, headers={"Content-Encoding": "gzip"}, stream=httpx.ByteStream(whole))
     )
     assert json.loads(read)["id"] == "re_1"
