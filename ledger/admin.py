@@ -6,9 +6,11 @@ from urllib.parse import urlencode
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
 from ledger import acc
@@ -19,7 +21,7 @@ from ledger.capabilities import (
     capabilities_import,
     capability_settings_change,
 )
-from ledger.forms import CapabilityImportForm, CapabilitySettingsForm
+from ledger.forms import CapabilityImportForm, CapabilitySettingsForm, TokenIssueForm
 from ledger.models import Capability, CapabilityDeclaration, Runtime, RuntimeToken
 from ledger.probe_config import unconfigured
 
@@ -161,7 +163,7 @@ class TokenInline(admin.TabularInline):
     readonly_fields = ("prefix", "created_at", "revoked_at")
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False  # tokens are issued by `manage.py create_runtime`, shown once
+        return False  # issued by the runtime's "Issue a token" page, or the command
 
 
 @admin.register(Runtime)
@@ -181,6 +183,47 @@ class RuntimeAdmin(admin.ModelAdmin):
             if token.revoke(actor=actor, reason="revoked in the admin")
         ]
         self.message_user(request, f"{len(revoked)} token(s) revoked: {', '.join(revoked)}.")
+
+    def get_urls(self) -> list[URLPattern]:
+        view = self.admin_site.admin_view(self.issue_token_view)
+        issue = path("<int:runtime_id>/issue-token/", view, name="ledger_runtime_issue_token")
+        return [issue, *super().get_urls()]
+
+    def response_add(
+        self, request: HttpRequest, obj: Runtime, post_url_continue: str | None = None
+    ) -> HttpResponse:
+        """A runtime just registered is next given its first token."""
+        if "_addanother" in request.POST or "_continue" in request.POST:
+            return super().response_add(request, obj, post_url_continue)
+        return HttpResponseRedirect(reverse("admin:ledger_runtime_issue_token", args=[obj.pk]))
+
+    def issue_token_view(self, request: HttpRequest, runtime_id: int) -> HttpResponse:
+        """A new token for the runtime, shown once on the answer to the POST that issued
+        it (never in a message, which the session or a cookie would keep), and never
+        stored by the browser's cache; only its hash is kept, as by the command."""
+        if not request.user.has_perm("ledger.add_runtimetoken"):
+            raise PermissionDenied
+        runtime = get_object_or_404(Runtime, pk=runtime_id)
+        form = TokenIssueForm(request.POST or None)
+        issued = None
+        if request.method == "POST" and form.is_valid():
+            row, token = RuntimeToken.issue_logged(
+                runtime=runtime,
+                actor=f"user:{request.user.get_username()}",
+                label=form.cleaned_data["label"],
+            )
+            issued = {"row": row, "token": token}
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Issue a token to {runtime.name}",
+            "opts": self.model._meta,
+            "original": runtime,
+            "form": form,
+            "issued": issued,
+        }
+        response = TemplateResponse(request, "admin/ledger/runtime/issue_token.html", context)
+        add_never_cache_headers(response)
+        return response
 
     def get_readonly_fields(
         self, request: HttpRequest, obj: Runtime | None = None

@@ -5,7 +5,7 @@ from typing import Any
 from django import forms
 
 from ledger.capabilities import SETTINGS, settings_changes, settings_of
-from ledger.models import Capability
+from ledger.models import Capability, RuntimeToken
 
 
 class CapabilityImportForm(forms.Form):
@@ -41,3 +41,12 @@ class CapabilitySettingsForm(forms.ModelForm):
                 "reason with the change.",
             )
         return cleaned
+
+
+class TokenIssueForm(forms.Form):
+    label = forms.CharField(
+        required=False,
+        max_length=RuntimeToken._meta.get_field("label").max_length,
+        help_text="What the token is for (a deployment, a host); kept with it and in the "
+        "action log.",
+    )

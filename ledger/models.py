@@ -177,6 +177,21 @@ class RuntimeToken(models.Model):
         )
         return row, token
 
+    @classmethod
+    def issue_logged(
+        cls, *, runtime: Runtime, actor: str, label: str = ""
+    ) -> tuple[RuntimeToken, str]:
+        """A new token, with an entry in the audit trail's action log (as `revoke`)."""
+        with transaction.atomic():
+            row, token = cls.issue(runtime=runtime, label=label)
+            AdminAction.record(
+                actor=actor,
+                action="token_issued",
+                target=f"runtime {runtime.name}, token {row.prefix}",
+                reason=label,
+            )
+        return row, token
+
     @staticmethod
     def split(token: str) -> str | None:
         """The lookup prefix of a well-formed token (12 hex digits), else None.

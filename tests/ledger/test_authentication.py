@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 
 import pytest
+from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
 from django.db import connection, transaction
 from django.db.utils import ProgrammingError
@@ -269,6 +271,62 @@ def test_the_admin_revokes_every_token_of_a_runtime_and_records_it(admin_client:
         ("cli:earlier", f"runtime runtime-a, token {first.prefix}"),
         ("user:admin", f"runtime runtime-a, token {second.prefix}"),
     ]
+
+
+ISSUED = re.compile(r'id="issued-token"[^>]* value="(ilr_[^"]+)"')
+
+
+def test_the_admin_issues_a_token_shown_once_that_authenticates(
+    admin_client: Client, refund: Capability
+) -> None:
+    """Registered in the admin, a runtime is taken to its first token: shown on the
+    answer to the POST that issued it, kept from the browser's cache, stored as its
+    hash, and on the action log as the command's are."""
+    no_tokens = {"tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0"}
+    added = admin_client.post("/admin/ledger/runtime/add/", {"name": "runtime-c", **no_tokens})
+    runtime = Runtime.objects.get(name="runtime-c")
+    issue_url = f"/admin/ledger/runtime/{runtime.pk}/issue-token/"
+    assert (added.status_code, added["Location"]) == (302, issue_url)
+    asked = admin_client.get(issue_url)
+    assert asked.status_code == 200 and not runtime.tokens.exists()
+
+    issued = admin_client.post(issue_url, {"label": "payments agent, prod"})
+
+    assert issued.status_code == 200
+    assert "no-store" in issued["Cache-Control"]
+    found = ISSUED.search(issued.content.decode())
+    assert found is not None
+    token = found.group(1)
+    (row,) = runtime.tokens.all()
+    assert row.label == "payments agent, prod"
+    assert row.digest == RuntimeToken.hash(token) and token not in row.digest
+    assert token.startswith(f"ilr_{row.prefix}_")
+    assert Api(Client(), token).intent(attempt_id="a1")[0] == 201
+    assert Invocation.objects.get().runtime == runtime
+    recorded = AdminAction.objects.filter(action="token_issued").order_by("id")
+    assert [(a.actor, a.target, a.reason) for a in recorded] == [
+        ("user:admin", f"runtime runtime-c, token {row.prefix}", "payments agent, prod")
+    ]
+    # The token is nowhere else to be read again: not on the runtime's page.
+    page = admin_client.get(f"/admin/ledger/runtime/{runtime.pk}/change/").content.decode()
+    assert token not in page
+    assert "Issue a token" in page
+
+
+def test_a_staff_user_without_the_permission_cannot_issue_a_token(db: None, client: Client) -> None:
+    runtime = Runtime.objects.create(name="runtime-a")
+    staff = User.objects.create_user("clerk", password="pw", is_staff=True)
+    staff.user_permissions.add(Permission.objects.get(codename="change_runtime"))
+    client.force_login(staff)
+    issue_url = f"/admin/ledger/runtime/{runtime.pk}/issue-token/"
+
+    refused = client.post(issue_url, {"label": "mine"})
+
+    assert refused.status_code == 403
+    assert not runtime.tokens.exists()
+    assert not AdminAction.objects.filter(action="token_issued").exists()
+    page = client.get(f"/admin/ledger/runtime/{runtime.pk}/change/").content.decode()
+    assert "Issue a token" not in page
 
 
 def test_a_revocation_cannot_be_undone_in_the_admin(admin_client: Client) -> None:

@@ -7,7 +7,7 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 
-from ledger.models import AdminAction, Runtime, RuntimeToken
+from ledger.models import Runtime, RuntimeToken
 
 
 class Command(BaseCommand):
@@ -50,11 +50,7 @@ class Command(BaseCommand):
             runtime = Runtime.objects.create(name=name)
         elif not add_token:
             raise CommandError(f"runtime {name!r} exists; pass --add-token for another token")
-        row, token = RuntimeToken.issue(runtime=runtime, label=label)
-        AdminAction.record(
-            actor=f"cli:{getpass.getuser()}",
-            action="token_issued",
-            target=f"runtime {runtime.name}, token {row.prefix}",
-            reason=label,
+        row, token = RuntimeToken.issue_logged(
+            runtime=runtime, actor=f"cli:{getpass.getuser()}", label=label
         )
         return created, row, token
