@@ -192,8 +192,9 @@ class RuntimeAdmin(admin.ModelAdmin):
     def response_add(
         self, request: HttpRequest, obj: Runtime, post_url_continue: str | None = None
     ) -> HttpResponse:
-        """A runtime just registered is next given its first token."""
-        if "_addanother" in request.POST or "_continue" in request.POST:
+        """A runtime just registered is next given its first token, by one who may."""
+        stays = "_addanother" in request.POST or "_continue" in request.POST
+        if stays or not request.user.has_perm("ledger.add_runtimetoken"):
             return super().response_add(request, obj, post_url_continue)
         return HttpResponseRedirect(reverse("admin:ledger_runtime_issue_token", args=[obj.pk]))
 

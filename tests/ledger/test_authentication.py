@@ -273,6 +273,8 @@ def test_the_admin_revokes_every_token_of_a_runtime_and_records_it(admin_client:
     ]
 
 
+# The runtime add form's empty inline of tokens, which the admin adds none through.
+NO_TOKENS = {"tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0"}
 ISSUED = re.compile(r'id="issued-token"[^>]* value="(ilr_[^"]+)"')
 
 
@@ -282,8 +284,7 @@ def test_the_admin_issues_a_token_shown_once_that_authenticates(
     """Registered in the admin, a runtime is taken to its first token: shown on the
     answer to the POST that issued it, kept from the browser's cache, stored as its
     hash, and on the action log as the command's are."""
-    no_tokens = {"tokens-TOTAL_FORMS": "0", "tokens-INITIAL_FORMS": "0"}
-    added = admin_client.post("/admin/ledger/runtime/add/", {"name": "runtime-c", **no_tokens})
+    added = admin_client.post("/admin/ledger/runtime/add/", {"name": "runtime-c", **NO_TOKENS})
     runtime = Runtime.objects.get(name="runtime-c")
     issue_url = f"/admin/ledger/runtime/{runtime.pk}/issue-token/"
     assert (added.status_code, added["Location"]) == (302, issue_url)
@@ -314,10 +315,13 @@ def test_the_admin_issues_a_token_shown_once_that_authenticates(
 
 
 def test_a_staff_user_without_the_permission_cannot_issue_a_token(db: None, client: Client) -> None:
-    runtime = Runtime.objects.create(name="runtime-a")
     staff = User.objects.create_user("clerk", password="pw", is_staff=True)
-    staff.user_permissions.add(Permission.objects.get(codename="change_runtime"))
+    for codename in ("add_runtime", "change_runtime"):
+        staff.user_permissions.add(Permission.objects.get(codename=codename))
     client.force_login(staff)
+    added = client.post("/admin/ledger/runtime/add/", {"name": "runtime-a", **NO_TOKENS})
+    assert (added.status_code, added["Location"]) == (302, "/admin/ledger/runtime/")
+    runtime = Runtime.objects.get(name="runtime-a")
     issue_url = f"/admin/ledger/runtime/{runtime.pk}/issue-token/"
 
     refused = client.post(issue_url, {"label": "mine"})
