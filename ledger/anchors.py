@@ -23,7 +23,9 @@ store's copy is held, and checked, elsewhere.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
+import os
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,8 +227,8 @@ def _verifier(builder: VerifierBuilder) -> Verifier:
     other certificates there are taken as intermediates."""
     path = settings.LEDGER_ANCHOR_TSA_ROOTS
     try:
-        with open(path, "rb") as pem:
-            certificates = x509.load_pem_x509_certificates(pem.read())
+        found = os.stat(path)
+        certificates = _certificates(path, (found.st_ino, found.st_size, found.st_mtime_ns))
     except (OSError, ValueError) as exc:
         raise TokenBroken(f"LEDGER_ANCHOR_TSA_ROOTS {path!r}: {exc}") from None
     roots = [cert for cert in certificates if cert.subject == cert.issuer]
@@ -238,6 +240,15 @@ def _verifier(builder: VerifierBuilder) -> Verifier:
         else:
             builder = builder.add_intermediate_certificate(certificate)
     return builder.build()
+
+
+@functools.lru_cache(maxsize=4)
+def _certificates(path: str, stamp: tuple[int, int, int]) -> tuple[x509.Certificate, ...]:
+    """The certificates in a PEM file, read once while its inode, size and modification
+    time stay (the Verify page checks up to 20 tokens; renewed in place, it is read
+    again)."""
+    with open(path, "rb") as pem:
+        return tuple(x509.load_pem_x509_certificates(pem.read()))
 
 
 def _trust() -> ssl.SSLContext | bool:

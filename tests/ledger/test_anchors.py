@@ -311,6 +311,30 @@ def test_a_time_stamping_authority_signs_the_newest_hashes_and_its_token_is_chec
     assert f"<td>verifies: signed {anchors.check_token(anchor).isoformat()}</td>" in page
 
 
+def test_the_verify_page_reads_the_roots_once_until_they_are_renewed(
+    api: Api, authority: TimestampAuthority, tmp_path: Path
+) -> None:
+    """The page checks each token it lists (20 at most) against the same roots file:
+    read once, and again once it is replaced (here by another authority's roots, under
+    which no token verifies)."""
+    for n in range(3):
+        sealed(api, f"inv-{n}")
+        assert anchor_hashes.run() is True
+    compliance = person("cora", "compliance")
+    anchors._certificates.cache_clear()
+    page = compliance.get("/audit/verify/").content.decode()
+    assert page.count("<td>verifies: signed ") == 3
+    assert anchors._certificates.cache_info()[:2] == (2, 1)  # hits, misses
+
+    with serving_authority(tmp_path / "other") as other:
+        renewed = authority.roots.with_suffix(".new")
+        renewed.write_bytes(other.roots.read_bytes())
+        renewed.replace(authority.roots)
+    page = compliance.get("/audit/verify/").content.decode()
+    assert page.count('<td class="behind">does not verify: ') == 3
+    assert anchors._certificates.cache_info()[:2] == (4, 2)
+
+
 def test_a_token_that_does_not_verify_or_a_refusal_is_not_kept(
     api: Api,
     authority: TimestampAuthority,
