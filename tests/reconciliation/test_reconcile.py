@@ -303,10 +303,14 @@ class Resolver:
         ]
 
 
-def by_name(standin: StandInService, config: dict[str, Any]) -> dict[str, Any]:
+def asked_by_name(standin: StandInService, invocation: Invocation) -> probes.ProbeResult:
+    """The stand-in's probe, asking by the business system's name (connect timeout
+    0.5 s)."""
     port = standin.server.server_address[1]
     url = f"http://{Resolver.NAME}:{port}/refunds?idempotency_key={{idempotency_key}}"
-    return {**config, "url": url, "connect_timeout": 0.5}
+    result = probes.run({**standin.probe_config(), "url": url, "connect_timeout": 0.5}, invocation)
+    assert result is not None
+    return result
 
 
 def test_a_name_the_resolver_does_not_answer_is_given_the_connect_timeout(
@@ -319,15 +323,13 @@ def test_a_name_the_resolver_does_not_answer_is_given_the_connect_timeout(
     invocation = flagged(api)
     perform_refund(standin, "refund-SO-1")
     resolver = Resolver(monkeypatch, "127.0.0.1")
-    result = probes.run(by_name(standin, refunds.probe), invocation)
-    assert result is not None
+    result = asked_by_name(standin, invocation)
     assert (result.finding, result.detail) == (
         probes.Finding.INCONCLUSIVE,
         f"ConnectTimeout: name lookup of {Resolver.NAME!r} not answered within the connect timeout",
     )
     resolver.answering.set()
-    result = probes.run(by_name(standin, refunds.probe), invocation)
-    assert result is not None and result.finding is probes.Finding.PRESENT
+    assert asked_by_name(standin, invocation).finding is probes.Finding.PRESENT
 
 
 def test_lookups_left_unanswered_are_counted_not_a_thread_each_without_end(
@@ -340,10 +342,7 @@ def test_lookups_left_unanswered_are_counted_not_a_thread_each_without_end(
     monkeypatch.setattr(outbound, "LOOKUPS_AT_ONCE", 1)
     monkeypatch.setattr(outbound, "_lookup_slots", threading.BoundedSemaphore(1))
     resolver = Resolver(monkeypatch, "127.0.0.1")
-    details = [
-        result and result.detail
-        for result in (probes.run(by_name(standin, refunds.probe), invocation) for _ in "12")
-    ]
+    details = [asked_by_name(standin, invocation).detail for _ in "12"]
     unanswered = f"name lookup of {Resolver.NAME!r} not answered within the connect timeout"
     assert details == [
         f"ConnectTimeout: {unanswered}",
@@ -352,8 +351,7 @@ def test_lookups_left_unanswered_are_counted_not_a_thread_each_without_end(
     resolver.answering.set()
     wait_for(lambda: outbound._lookup_slots.acquire(blocking=False))
     outbound._lookup_slots.release()
-    result = probes.run(by_name(standin, refunds.probe), invocation)
-    assert result is not None and result.finding is probes.Finding.PRESENT
+    assert asked_by_name(standin, invocation).finding is probes.Finding.PRESENT
 
 
 def test_a_name_is_tried_at_each_of_its_addresses_in_turn(
@@ -364,12 +362,10 @@ def test_a_name_is_tried_at_each_of_its_addresses_in_turn(
     invocation = flagged(api)
     perform_refund(standin, "refund-SO-1")
     Resolver(monkeypatch, "127.0.0.2", "127.0.0.1").answering.set()
-    result = probes.run(by_name(standin, refunds.probe), invocation)
-    assert result is not None and result.finding is probes.Finding.PRESENT
+    assert asked_by_name(standin, invocation).finding is probes.Finding.PRESENT
     Resolver(monkeypatch, "127.0.0.2").answering.set()
-    result = probes.run(by_name(standin, refunds.probe), invocation)
-    assert result is not None
-    assert result.detail == "ConnectError: [Errno 111] Connection refused"
+    refused = asked_by_name(standin, invocation)
+    assert refused.detail == "ConnectError: [Errno 111] Connection refused"
 
 
 @pytest.mark.parametrize("mode", ["gzip", "deflate", "deflate_raw"])
