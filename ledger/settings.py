@@ -360,6 +360,12 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(DATA_DIR / "celerybeat-schedule")
+# The longest a periodic task catches up in one run: a sweep of a backlog of overdue
+# attempts, seals of a busy hour's events, the watches behind them. The next run goes
+# on. A worker sends RabbitMQ no heartbeat while it runs a task: a sweep of 94,726
+# overdue attempts ran 3.5 minutes, RabbitMQ closed the connection at its 60 s
+# heartbeat timeout, and the task's acknowledgement failed.
+LEDGER_CATCH_UP_SECONDS = 20.0
 # Reconciliation: probe leases, retries with exponential backoff, then a person.
 LEDGER_SWEEP_INTERVAL_SECONDS = env_int("LEDGER_SWEEP_INTERVAL_SECONDS", 5, minimum=1)
 LEDGER_PROBE_LEASE_SECONDS = env_int("LEDGER_PROBE_LEASE_SECONDS", 60, minimum=1)

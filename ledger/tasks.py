@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -18,15 +19,16 @@ def seal_new_events() -> int:
     """Beat runs this every LEDGER_SEAL_INTERVAL_SECONDS; returns how many were sealed.
 
     A seal holds at most SEAL_BATCH events, and a full one means more wait: the run
-    seals again until it has caught up, so that a ledger recording more than SEAL_BATCH
-    events an interval (a busy batch endpoint writes that many in seconds) is not left
-    further behind at every interval.
+    seals again until it has caught up, or for LEDGER_CATCH_UP_SECONDS, so that a ledger
+    recording more than SEAL_BATCH events an interval (a busy batch endpoint writes that
+    many in seconds) is not left further behind at every interval.
 
     Each seal's hash also goes to the log: kept by whatever collects the logs, outside
     the database, it anchors the seal chain (and evidence bundles, `verify_bundle
     --seal`) against someone who could rewrite the database, hashes and all.
     """
     sealed = 0
+    until = time.monotonic() + settings.LEDGER_CATCH_UP_SECONDS
     while (seal := seal_events()) is not None:
         log.info(
             "sealed first_sequence=%d last_sequence=%d events=%d merkle_root=%s hash=%s",
@@ -37,7 +39,7 @@ def seal_new_events() -> int:
             seal.hash,
         )
         sealed += seal.event_count
-        if seal.event_count < integrity.SEAL_BATCH:
+        if seal.event_count < integrity.SEAL_BATCH or time.monotonic() >= until:
             break
     return sealed
 
@@ -58,7 +60,7 @@ def watch_declared_rate_limits() -> int:
     """Beat runs this every LEDGER_RATE_WATCH_INTERVAL_SECONDS: the admissions sealed
     since the last run, judged against their capabilities' declared rate limits
     (`ledger.rate_limits`), a transaction per BATCH sealed events until it has caught
-    up; returns how many invocations it flagged."""
+    up or for LEDGER_CATCH_UP_SECONDS; returns how many invocations it flagged."""
     return _until_caught_up(rate_limits.watch_rate_limits)
 
 
@@ -67,7 +69,8 @@ def watch_shared_references() -> int:
     """Beat runs this every LEDGER_REFERENCE_WATCH_INTERVAL_SECONDS: the earlier
     invocations naming the shared references of the events sealed since the last run
     are flagged (`ledger.shared_references`), a transaction per BATCH sealed events
-    until it has caught up; returns how many invocations it flagged."""
+    until it has caught up or for LEDGER_CATCH_UP_SECONDS; returns how many
+    invocations it flagged."""
     return _until_caught_up(shared_references.watch_shared_references)
 
 
@@ -79,13 +82,14 @@ class _WatchRun(Protocol):
 
 
 def _until_caught_up(watch: Callable[[], _WatchRun]) -> int:
-    """Run a watch until it has read the newest seal, each run in its own transaction;
-    how many invocations it flagged."""
+    """Run a watch until it has read the newest seal, or for LEDGER_CATCH_UP_SECONDS,
+    each run in its own transaction; how many invocations it flagged."""
     flagged = 0
+    until = time.monotonic() + settings.LEDGER_CATCH_UP_SECONDS
     while True:
         watched = watch()
         flagged += len(watched.flagged)
-        if watched.caught_up:
+        if watched.caught_up or time.monotonic() >= until:
             return flagged
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 import logging
+import time
 from collections.abc import Callable, Collection
 
 from django.conf import settings
@@ -40,13 +41,16 @@ def overdue_invocation_ids(
     )
 
 
-def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
-    """Flag every overdue attempt; returns how many were flagged.
+def sweep(*, now: dt.datetime | None = None, batch: int = 500, seconds: float | None = None) -> int:
+    """Flag every overdue attempt, or as many as `seconds` (LEDGER_CATCH_UP_SECONDS)
+    allow, `batch` at a time: the next sweep flags the rest. Returns how many were
+    flagged.
 
     Safe to run anywhere, any number of times, concurrently: flagging is a
     compare-and-set, so an outcome that arrives meanwhile wins and nothing is
     flagged twice.
     """
+    until = time.monotonic() + (settings.LEDGER_CATCH_UP_SECONDS if seconds is None else seconds)
     flagged = 0
     # What a round leaves unflagged (an outcome won, or the ledger refused a row that
     # disagrees with its events) is not read again: every round flags or passes over
@@ -68,6 +72,9 @@ def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
         passed_over.update(set(candidates) - set(done))
         if len(candidates) < batch:
             break
+        if time.monotonic() >= until:
+            log.info("sweep flagged=%d, stopped for the next sweep", flagged)
+            return flagged
     if flagged:
         log.info("sweep flagged=%d", flagged)
     return flagged

@@ -690,3 +690,16 @@ def test_beats_seal_task_seals_until_it_has_caught_up(
         1,
     ]
     assert seal_new_events.run() == 0
+
+
+def test_beats_seal_task_catches_up_for_its_time_and_the_next_run_goes_on(
+    api: Api, refund: Capability, monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """A run seals a full seal, then stops once LEDGER_CATCH_UP_SECONDS have passed
+    (here at once): a backlog of millions of events is sealed over several runs,
+    none holding its worker for minutes."""
+    monkeypatch.setattr(integrity, "SEAL_BATCH", 2)
+    for n in (1, 2):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    settings.LEDGER_CATCH_UP_SECONDS = 0
+    assert [seal_new_events.run() for _ in range(3)] == [2, 2, 0]

@@ -323,3 +323,18 @@ def test_beats_watch_task_reads_until_it_has_caught_up(
     # Ten sealed events, two a run: inv-3, inv-4 and inv-5 flagged in one call.
     assert watch_declared_rate_limits.run() == 3
     assert flagged() == ["inv-3", "inv-4", "inv-5"]
+
+
+def test_beats_watch_task_reads_for_its_time_and_the_next_run_goes_on(
+    api: Api, limited: Capability, monkeypatch: pytest.MonkeyPatch, settings: Any
+) -> None:
+    """Past LEDGER_CATCH_UP_SECONDS (here at once) a run ends after the batch it read;
+    the next run reads on from there."""
+    monkeypatch.setattr(rate_limits, "BATCH", 2)
+    admit(api, 1, 2, 3, 4, 5)
+    seal_events()
+    settings.LEDGER_CATCH_UP_SECONDS = 0
+    # An admission's two events a run: inv-1 and inv-2 within the limit, then each
+    # one beyond it, then nothing left to read.
+    assert [watch_declared_rate_limits.run() for _ in range(6)] == [0, 0, 1, 1, 1, 0]
+    assert flagged() == ["inv-3", "inv-4", "inv-5"]

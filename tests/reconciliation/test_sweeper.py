@@ -59,6 +59,22 @@ def test_the_sweep_flags_overdue_attempts_and_only_those(
     assert sweeper.sweep(now=now) == 0  # nothing is flagged twice
 
 
+def test_a_sweep_stops_at_its_time_and_the_next_flags_the_rest(
+    api: Api, refund: Capability, settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker sends RabbitMQ no heartbeat while it runs a task: one sweep of 94,726
+    overdue attempts ran 3.5 minutes, and RabbitMQ closed its connection after 60 s.
+    A sweep stops after its round that ends past LEDGER_CATCH_UP_SECONDS (here at once,
+    a round being one invocation); the next goes on."""
+    for n in (1, 2, 3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    settings.LEDGER_CATCH_UP_SECONDS = 0
+    now = past_deadline() + dt.timedelta(seconds=1)
+    assert [sweeper.sweep(now=now, batch=1) for _ in range(4)] == [1, 1, 1, 0]
+    assert set(statuses().values()) == {"reconciliation_required"}
+    assert "sweep flagged=1, stopped for the next sweep" in caplog.text
+
+
 def test_many_attempts_falling_due_at_once_are_flagged_a_hundred_per_write(
     api: Api, refund: Capability
 ) -> None:
