@@ -41,16 +41,16 @@ def overdue_invocation_ids(
     )
 
 
-def sweep(*, now: dt.datetime | None = None, batch: int = 500, seconds: float | None = None) -> int:
-    """Flag every overdue attempt, or as many as `seconds` (LEDGER_CATCH_UP_SECONDS)
-    allow, `batch` at a time: the next sweep flags the rest. Returns how many were
+def sweep(*, now: dt.datetime | None = None, batch: int = 500) -> int:
+    """Flag every overdue attempt, `batch` at a time, or as many as
+    LEDGER_CATCH_UP_SECONDS allow: the next sweep flags the rest. Returns how many were
     flagged.
 
     Safe to run anywhere, any number of times, concurrently: flagging is a
     compare-and-set, so an outcome that arrives meanwhile wins and nothing is
     flagged twice.
     """
-    until = time.monotonic() + (settings.LEDGER_CATCH_UP_SECONDS if seconds is None else seconds)
+    until = time.monotonic() + settings.LEDGER_CATCH_UP_SECONDS
     flagged = 0
     # What a round leaves unflagged (an outcome won, or the ledger refused a row that
     # disagrees with its events) is not read again: every round flags or passes over
