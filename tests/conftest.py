@@ -355,10 +355,13 @@ class AnchorStore:
     url: str
     received: list[tuple[dict[str, str], Any]] = field(default_factory=list)
     status: int = 201
-    # "receipt"; "trickled", its status line and headers a byte every 50 ms; or "long",
-    # 8 MiB of receipt without a Content-Length.
+    # "receipt"; "trickled", its status line and headers a byte every TRICKLE_SECONDS;
+    # or "long", 8 MiB of receipt without a Content-Length.
     answering: str = "receipt"
     LONG_BYTES = 8 * 1024 * 1024
+    # The fault a trickling store is, as the stand-in's trickle modes: the pause between
+    # the bytes it sends (not a wait for anything to happen).
+    TRICKLE_SECONDS = 0.05
 
 
 @contextmanager
@@ -389,7 +392,7 @@ def serving_anchor_store(tls: ssl.SSLContext | None = None) -> Iterator[AnchorSt
                 for byte in b"HTTP/1.1 201 Created\r\nContent-Length: 8\r\n\r\n":
                     self.wfile.write(bytes([byte]))
                     self.wfile.flush()
-                    time.sleep(0.05)
+                    time.sleep(taken.TRICKLE_SECONDS)
                 self.wfile.write(receipt)
                 return
             self.send_response(taken.status)
