@@ -15,8 +15,11 @@ run: deps
 	$(UV) run --frozen python -m ledger.run
 
 ## Lint, type-check and run the whole test suite against PostgreSQL and Redis.
+## Two pytest-xdist workers, each on a test database and broker queues of its own, each
+## test file kept to one worker: much of the suite's time is spent waiting on the
+## processes it starts (gunicorn, Celery, `make run`), which a second worker fills.
 test: deps lint test-tools
-	$(UV) run --frozen pytest
+	$(UV) run --frozen pytest --numprocesses 2 --dist loadfile
 	@# Then the workers' tests marked embedded_broker again, on the broker `make run` uses.
 	CELERY_BROKER_URL=filesystem://localhost// LEDGER_DATA_DIR="$$(mktemp -d)" \
 		$(UV) run --frozen pytest -m embedded_broker
