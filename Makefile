@@ -17,11 +17,12 @@ run: deps
 ## Lint, type-check and run the whole test suite against PostgreSQL and Redis.
 ## Two pytest-xdist workers, each on a test database and broker queues of its own: much
 ## of the suite's time is spent waiting on the processes it starts (gunicorn, Celery,
-## `make run`), which a second worker fills. Tests are dealt out one by one (xdist's
-## `load`): schemathesis gives its tests of one function one node id, and `loadfile`
-## would run one of them for all.
+## `make run`), which a second worker fills. Tests are dealt out one by one, and a worker
+## whose share runs out takes some of the other's (`worksteal`: a test takes from 0.01
+## to 40 s). Not by file (`loadfile`): schemathesis gives its tests of one function one
+## node id, and `loadfile` ran one of them for all.
 test: deps lint test-tools
-	$(UV) run --frozen pytest --numprocesses 2 --dist load
+	$(UV) run --frozen pytest --numprocesses 2 --dist worksteal
 	@# Then the workers' tests marked embedded_broker again, on the broker `make run` uses.
 	CELERY_BROKER_URL=filesystem://localhost// LEDGER_DATA_DIR="$$(mktemp -d)" \
 		$(UV) run --frozen pytest -m embedded_broker

@@ -76,3 +76,28 @@ def test_every_setting_the_ledger_reads_is_listed_in_env_example() -> None:
     assert len(read) > 40
     # A setting given by name (LEDGER_PROBE_SECRET_…) is listed by an example name.
     assert [name for name in sorted(read) if name not in listed] == []
+
+
+def test_each_pytest_xdist_worker_and_the_processes_it_starts_use_queues_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker process started by one pytest-xdist worker's test must not take the
+    tasks another's tests send: they are on other databases, and the task is lost."""
+    from tests.settings import _queue_name
+
+    monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/ledger")
+    monkeypatch.delenv("LEDGER_QUEUE")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    controller = _queue_name()
+    assert controller == "ledger-tests-ledger"
+
+    def started_by(parent: str, worker: str) -> str:
+        monkeypatch.setenv("LEDGER_QUEUE", parent)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        return _queue_name()
+
+    first, second = started_by(controller, "gw0"), started_by(controller, "gw1")
+    assert (first, second) == ("ledger-tests-ledger-gw0", "ledger-tests-ledger-gw1")
+    # A Celery worker a test of gw1 starts, on gw1's test database, inherits gw1's name.
+    monkeypatch.setenv("DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test_ledger_gw1")
+    assert started_by(second, "gw1") == second
