@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+import redis
 from django.db import connection
 from django.db.models import Count, Q
 from django.test import Client
@@ -276,14 +277,23 @@ def test_a_broker_outage_loses_no_invocation(
 ) -> None:
     """Beat and the worker use a private Redis, which is stopped during the sweeps."""
     port = free_port()
-    redis = [
+    server = [
         "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
         "--appendonly", "no", "--dir", str(tmp_path),
     ]  # fmt: skip
-    broker = subprocess.Popen(redis, stdout=subprocess.DEVNULL)
+    broker = subprocess.Popen(server, stdout=subprocess.DEVNULL)
     try:
         private_broker = f"redis://127.0.0.1:{port}/0"
-        time.sleep(0.5)
+
+        def answers() -> bool:
+            """The private Redis is up."""
+            try:
+                with redis.Redis(host="127.0.0.1", port=port) as client:
+                    return bool(client.ping())
+            except redis.ConnectionError:
+                return False
+
+        wait_for(answers, seconds=10)
         workers.start(CELERY_BROKER_URL=private_broker)
         workers.beat(tmp_path, CELERY_BROKER_URL=private_broker)
         broker.terminate()
@@ -294,7 +304,7 @@ def test_a_broker_outage_loses_no_invocation(
                 perform_refund(standin, f"key-{n}")
         time.sleep(3)  # deadlines pass while nothing can be delivered
         assert Invocation.objects.filter(status="in_flight").count() == 5
-        broker = subprocess.Popen(redis, stdout=subprocess.DEVNULL)
+        broker = subprocess.Popen(server, stdout=subprocess.DEVNULL)
         wait_for(lambda: Invocation.objects.filter(status__in=SETTLED).count() == 5, seconds=90)
     finally:
         broker.terminate()
