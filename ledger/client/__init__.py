@@ -1,6 +1,7 @@
 """The Invocation Ledger client for agent runtimes (httpx only; no Django)."""
 
 from ledger.client.runtime import (
+    AsyncLedgerClient,
     BusinessFailure,
     CallContext,
     DispatchNotEstablished,
@@ -13,6 +14,7 @@ from ledger.client.runtime import (
 from ledger.client.spool import FlushReport, Spool
 
 __all__ = [
+    "AsyncLedgerClient",
     "BusinessFailure",
     "CallContext",
     "DispatchNotEstablished",

@@ -22,109 +22,62 @@ the ledger cannot take (down, rate-limited past the retries, or answered for by 
 proxy's error page) is kept in the durable spool and delivered by `flush()`; the
 caller then gets `post_dispatch_evidence_failed`, never a generic error.
 
+`AsyncLedgerClient` is the same for asyncio runtimes: its methods are awaited, and
+its tool may be a coroutine function. Both follow `ledger.client.protocol`, which
+holds the protocol once for the two.
+
 Depends on httpx only (no Django): this package can be copied or vendored alone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
 
+from ledger.client.protocol import (
+    BusinessFailure,
+    CallContext,
+    Dispatch,
+    DispatchNotEstablished,
+    InvocationResult,
+    Keep,
+    LedgerRequestError,
+    LedgerUnreachable,
+    NotDispatched,
+    Pause,
+    Protocol,
+    Send,
+    Step,
+    Steps,
+)
 from ledger.client.spool import FlushReport, Record, Refused, Spool
 
-
-class BusinessFailure(Exception):
-    """Raise from a tool when the business system refused or rolled back."""
-
-    def __init__(self, code: str, message: str = "", *, retryable: bool = False) -> None:
-        super().__init__(message or code)
-        self.code, self.message, self.retryable = code, message, retryable
-
-
-class NotDispatched(Exception):
-    """Raise from a tool when the request certainly never left the runtime."""
-
-
-class DispatchNotEstablished(Exception):
-    """Raise from a tool when it cannot tell whether the request was sent."""
+__all__ = [
+    "AsyncLedgerClient",
+    "BusinessFailure",
+    "CallContext",
+    "DispatchNotEstablished",
+    "InvocationResult",
+    "LedgerClient",
+    "LedgerRequestError",
+    "LedgerUnreachable",
+    "NotDispatched",
+]
 
 
-class LedgerUnreachable(Exception):
-    """The ledger did not answer (after the retries that are safe)."""
-
-
-class LedgerRequestError(Exception):
-    """The ledger refused a request as malformed or conflicting: a bug to fix."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        error = body.get("error", {}) if isinstance(body, Mapping) else {}
-        super().__init__(f"{status} {error.get('type')}: {error.get('message')}")
-        self.status, self.type, self.body = status, error.get("type"), body
-        self.details: dict[str, Any] = error.get("details") or {}
-
-
-@dataclass(frozen=True)
-class CallContext:
-    """What the tool call needs to pass to the business system."""
-
-    invocation_id: str
-    attempt_id: str
-    idempotency_key: str
-
-
-@dataclass(frozen=True)
-class InvocationResult:
-    kind: str  # an outcome kind, or attempt_refused / attempt_in_flight
-    invocation_id: str
-    attempt_id: str | None
-    task_id: str
-    status: str | None
-    retryable: bool
-    reconciliation_required: bool
-    next_action: str
-    value: Any = None
-    business_reference: str = ""
-    error: str = ""
-    flags: list[str] = field(default_factory=list)
-
-
-def not_dispatched(invocation_id: str, task_id: str, why: str) -> InvocationResult:
-    """The ledger did not confirm an admission: the tool was not called, try again."""
-    return InvocationResult(
-        "pre_dispatch_rejected", invocation_id, None, task_id, None,
-        retryable=True, reconciliation_required=False, next_action="retry", error=why,
-    )  # fmt: skip
-
-
-# The ledger refused the caller rather than the request (a revoked token, or another
-# runtime's): an outcome is kept for a flush with the right token, never dropped.
-CALLER_REFUSED = (401, 403, 404)
-
-MAX_RETRY_AFTER = 10.0  # seconds: longer and the caller had better decide itself
-
-
-def _ledger_json(response: httpx.Response) -> Any:
-    """The body when it is the ledger's JSON object, else None."""
-    if not response.headers.get("content-type", "").startswith("application/json"):
-        return None
-    try:
-        payload = response.json()
-    except ValueError:
-        return None
-    return payload if isinstance(payload, dict) else None
-
-
-def _retry_after(response: httpx.Response) -> float:
-    try:
-        seconds = float(response.headers.get("retry-after", 0))
-    except ValueError:  # an HTTP date: the ledger never sends one
-        return 0.0
-    return min(seconds, MAX_RETRY_AFTER) if seconds > 0 else 0.0  # NaN is not > 0
+def _http_options(url: str, token: str, timeout: float) -> dict[str, Any]:
+    return {
+        "base_url": url,
+        "headers": {"Authorization": f"Bearer {token}"},
+        "timeout": timeout,
+        "limits": httpx.Limits(max_keepalive_connections=8),
+    }
 
 
 class LedgerClient:
@@ -138,60 +91,17 @@ class LedgerClient:
         retries: int = 3,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.http = httpx.Client(
-            base_url=url,
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=timeout,
-            limits=httpx.Limits(max_keepalive_connections=8),
-            transport=transport,
-        )
+        self.http = httpx.Client(**_http_options(url, token, timeout), transport=transport)
         self.spool = Spool(spool) if spool else None
-        self.retries = retries
-        # Intents sent but not confirmed, by invocation_id, for `retry` to send again.
-        self._unconfirmed: dict[str, dict[str, Any]] = {}
+        self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
 
     def close(self) -> None:
         self.http.close()
 
-    # Transport ------------------------------------------------------------
-
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """The ledger's typed answer (status and JSON body), resending what it did not
-        take.
-
-        Resent: a 429 `rate_limited`, any 5xx (`ledger_unavailable`, `internal_error`,
-        `projection_broken`, a proxy's 502 page), an answer that is not the ledger's
-        JSON, a connection refused before anything was sent, and one closed before the
-        answer came whole (a web process killed mid-request, a keep-alive connection the
-        server closed as it was reused): every call of this API replays safely, and a
-        resent admission that had in fact been recorded comes back as a 200 replay,
-        which `_refusal` never dispatches. A timeout is not resent: the ledger may still
-        be at work on the request, and the caller has waited long enough.
-        """
-        for attempt in range(self.retries + 1):
-            wait = 0.2 * 2**attempt
-            try:
-                response = self.http.request(method, path, json=body)
-            except httpx.ConnectError as exc:
-                last = f"connection failed: {exc}"
-            except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-                last = f"connection closed before the answer: {type(exc).__name__}: {exc}"
-            except httpx.HTTPError as exc:
-                raise LedgerUnreachable(f"{type(exc).__name__}: {exc}") from exc
-            else:
-                payload = _ledger_json(response)
-                if payload is None:
-                    last = f"{response.status_code} without an answer from the ledger"
-                elif response.status_code != 429 and response.status_code < 500:
-                    return response.status_code, payload
-                else:
-                    last = payload.get("error", {}).get("type") or str(response.status_code)
-                    wait = max(wait, _retry_after(response))
-            if attempt < self.retries:
-                time.sleep(wait)
-        raise LedgerUnreachable(last)
-
-    # The protocol -----------------------------------------------------------
+        take (`Protocol.requested` says what is resent)."""
+        return self._run(self.protocol.requested(method, path, body))
 
     def invoke(
         self,
@@ -207,21 +117,14 @@ class LedgerClient:
         reference: Callable[[Any], str] | None = None,
     ) -> InvocationResult:
         """Intent with the first attempt, the call if admitted, then the outcome."""
-        invocation_id = invocation_id or f"inv-{uuid.uuid4().hex}"
-        attempt_id = "a1"
-        intent: dict[str, Any] = {
-            "invocation_id": invocation_id,
-            "task_id": task_id,
-            "capability": capability,
-            "arguments": arguments,
-            "idempotency_key": idempotency_key,
-            "attempt_id": attempt_id,
-        }
-        if subject:
-            intent["subject"] = subject
-        if approval:
-            intent["approval"] = dict(approval)
-        return self._write_ahead(intent, call, reference)
+        return self._run(
+            self.protocol.invoked(
+                task_id=task_id, capability=capability, arguments=arguments,
+                idempotency_key=idempotency_key, call=call, subject=subject,
+                approval=approval, invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
+                reference=reference,
+            )
+        )  # fmt: skip
 
     def retry(
         self,
@@ -233,165 +136,11 @@ class LedgerClient:
         """A new attempt under the same ids and key, only if the ledger admits it.
 
         After an intent the ledger did not confirm, this sends that intent again."""
-        if invocation_id in self._unconfirmed:
-            return self._write_ahead(self._unconfirmed[invocation_id], call, reference)
-        try:
-            current = self.state(invocation_id)
-            attempt_id = f"a{len(current['attempts']) + 1}"
-            status, body = self.request(
-                "POST", f"/api/v1/invocations/{invocation_id}/attempts", {"attempt_id": attempt_id}
-            )
-        except LedgerUnreachable as exc:
-            # An admission whose answer was lost stays in flight: the next retry asks for
-            # the attempt after it and is refused, so the tool is never called for it.
-            return not_dispatched(invocation_id, "", f"attempt not confirmed: {exc}")
-        refused = self._refusal(status, body, invocation_id, attempt_id, current["task_id"])
-        if refused:
-            return refused
-        context = CallContext(invocation_id, attempt_id, current["idempotency_key"])
-        return self._dispatch(context, current["task_id"], call, reference)
+        return self._run(self.protocol.retried(invocation_id, call, reference))
 
     def state(self, invocation_id: str) -> dict[str, Any]:
         """The ledger's record of an invocation: its typed state, attempts and events."""
-        status, body = self.request("GET", f"/api/v1/invocations/{invocation_id}")
-        if status != 200:
-            raise LedgerRequestError(status, body)
-        return dict(body)
-
-    def _write_ahead(
-        self,
-        intent: dict[str, Any],
-        call: Callable[[CallContext], Any],
-        reference: Callable[[Any], str] | None,
-    ) -> InvocationResult:
-        invocation_id, task_id = intent["invocation_id"], intent["task_id"]
-        try:
-            status, body = self.request("POST", "/api/v1/intents", intent)
-        except LedgerUnreachable as exc:
-            # The intent may have been recorded all the same (an answer lost on its way
-            # back), binding the key to this invocation_id: `retry` sends it again.
-            self._unconfirmed[invocation_id] = intent
-            return not_dispatched(invocation_id, task_id, f"intent not confirmed: {exc}")
-        self._unconfirmed.pop(invocation_id, None)
-        refused = self._refusal(status, body, invocation_id, intent["attempt_id"], task_id)
-        if refused:
-            return refused
-        context = CallContext(invocation_id, intent["attempt_id"], intent["idempotency_key"])
-        return self._dispatch(context, task_id, call, reference)
-
-    def _refusal(
-        self, status: int, body: Any, invocation_id: str, attempt_id: str, task_id: str
-    ) -> InvocationResult | None:
-        """None when this request admitted the attempt: the tool may be called now.
-
-        Only a 201 admits. A 200 replays an attempt admitted earlier, by an answer that
-        got lost or by another process that may already have called the tool: calling
-        it again could be a second effect, so that attempt is left to its outcome or,
-        when none comes, to reconciliation.
-        """
-        if status == 201 and body.get("status") == "in_flight":
-            return None
-        error = body.get("error", {}) if isinstance(body, Mapping) else {}
-        if status == 200 and body.get("status") == "in_flight":
-            error = {
-                "type": "attempt_in_flight",
-                "message": f"attempt {attempt_id} was admitted before and awaits its outcome;"
-                " the ledger reconciles it if none arrives",
-            }
-        if status in (200, 201) or error.get("type") in ("attempt_refused", "attempt_in_flight"):
-            state = body if status in (200, 201) else error.get("details", {}).get("state", {})
-            return InvocationResult(
-                error.get("type", "attempt_refused"), invocation_id, attempt_id, task_id,
-                state.get("status"), retryable=bool(state.get("retryable")),
-                reconciliation_required=bool(state.get("reconciliation_required")),
-                next_action=state.get("next_action", "none"),
-                error=error.get("message", "the ledger admitted no new attempt"),
-                flags=list(state.get("flags", [])),
-            )  # fmt: skip
-        raise LedgerRequestError(status, body)
-
-    def _dispatch(
-        self,
-        context: CallContext,
-        task_id: str,
-        call: Callable[[CallContext], Any],
-        reference: Callable[[Any], str] | None,
-    ) -> InvocationResult:
-        value, error = None, ""
-        outcome: dict[str, Any]
-        try:
-            value = call(context)
-            business_reference = reference(value) if reference else ""
-            outcome = {"kind": "succeeded"}
-            if business_reference:
-                outcome["business_reference"] = business_reference
-        except BusinessFailure as failure:
-            error = failure.message or failure.code
-            outcome = {
-                "kind": "business_failed",
-                "retryable": failure.retryable,
-                "error": {"code": failure.code[:128]},
-            }
-            if failure.message:
-                outcome["error"]["message"] = failure.message[:4000]
-        except NotDispatched as exc:
-            error, outcome = str(exc), {"kind": "pre_dispatch_rejected"}
-        except DispatchNotEstablished as exc:
-            error, outcome = str(exc), {"kind": "dispatch_not_established"}
-        except Exception as exc:  # the effect may have happened: never a blind retry
-            error = f"{type(exc).__name__}: {exc}"
-            outcome = {
-                "kind": "post_dispatch_evidence_failed",
-                "error": {"code": type(exc).__name__},
-            }
-            if str(exc):
-                outcome["error"]["message"] = str(exc)[:4000]
-        path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
-        try:
-            status, body = self.request("POST", path, outcome)
-        except LedgerUnreachable as exc:
-            return self._keep(context, task_id, path, outcome, value, f"not recorded ({exc})")
-        if status in CALLER_REFUSED:
-            # A token revoked or rotated while the tool ran: a flush with the new one
-            # delivers the outcome.
-            error = body.get("error", {})
-            why = f"refused for this client ({status} {error.get('type')})"
-            return self._keep(context, task_id, path, outcome, value, why)
-        if status not in (200, 201):
-            raise LedgerRequestError(status, body)
-        return InvocationResult(
-            outcome["kind"], context.invocation_id, context.attempt_id, task_id,
-            body["status"], retryable=body["retryable"],
-            reconciliation_required=body["reconciliation_required"],
-            next_action=body["next_action"], value=value,
-            business_reference=outcome.get("business_reference", ""), error=error,
-            flags=body["flags"],
-        )  # fmt: skip
-
-    def _keep(
-        self,
-        context: CallContext,
-        task_id: str,
-        path: str,
-        outcome: dict[str, Any],
-        value: Any,
-        why: str,
-    ) -> InvocationResult:
-        """An outcome the ledger did not record: spooled, and the caller told that the
-        effect's evidence is missing, which only reconciliation may settle."""
-        kept = "no spool configured"
-        if self.spool:
-            self.spool.append(Record(path, outcome))
-            kept = "kept in the spool"
-        return InvocationResult(
-            "post_dispatch_evidence_failed", context.invocation_id, context.attempt_id,
-            task_id, None, retryable=False, reconciliation_required=True,
-            next_action="reconcile", value=value,
-            business_reference=outcome.get("business_reference", ""),
-            error=f"outcome {why}; {kept}",
-        )  # fmt: skip
-
-    # The spool ---------------------------------------------------------------
+        return self._run(self.protocol.state(invocation_id))
 
     def flush(self) -> FlushReport:
         """Deliver spooled outcomes in order; replays are harmless.
@@ -403,17 +152,161 @@ class LedgerClient:
         """
         if self.spool is None:
             return FlushReport()
+        return self.spool.deliver(lambda record: self._run(self.protocol.delivered(record)))
+
+    def _dispatch(
+        self,
+        context: CallContext,
+        task_id: str,
+        call: Callable[[CallContext], Any],
+        reference: Callable[[Any], str] | None,
+    ) -> InvocationResult:
+        return self._run(self.protocol.dispatched(context, task_id, call, reference))
+
+    def _run[T](self, steps: Steps[T]) -> T:
+        """The protocol's steps done one after the other, each one's answer (or its
+        exception) given back to the protocol, until it returns."""
+        answer: Any = None
+        failure: Exception | None = None
+        while True:
+            try:
+                step = steps.throw(failure) if failure else steps.send(answer)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            answer, failure = None, None
+            try:
+                answer = self._do(step)
+            except Exception as exc:
+                failure = exc
+
+    def _do(self, step: Step) -> Any:
+        match step:
+            case Send(method, path, body):
+                return self.http.request(method, path, json=body)
+            case Pause(seconds):
+                time.sleep(seconds)
+            case Dispatch(call, context):
+                return call(context)
+            case Keep(record):
+                assert self.spool is not None
+                self.spool.append(record)
+        return None
+
+
+class AsyncLedgerClient:
+    """`LedgerClient` for asyncio runtimes. The tool may be a coroutine function (its
+    coroutine is awaited) or a plain one, which runs on the event loop: give a tool
+    that blocks to `asyncio.to_thread` inside it. Spool writes and flushes run in a
+    thread, so that their fsyncs do not hold the loop.
+
+    One client serves any number of invocations at once on its loop. A task cancelled
+    while its tool runs (by `asyncio.timeout` around `invoke`, say) sends no outcome:
+    to bound a tool's time and have the ledger told at once, bound it inside the tool,
+    whose TimeoutError is then recorded as `post_dispatch_evidence_failed`."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        spool: str | None = None,
+        timeout: float = 5.0,
+        retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.http = httpx.AsyncClient(**_http_options(url, token, timeout), transport=transport)
+        self.spool = Spool(spool) if spool else None
+        self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncLedgerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """`LedgerClient.request`, awaited."""
+        return await self._run(self.protocol.requested(method, path, body))
+
+    async def invoke(
+        self,
+        *,
+        task_id: str,
+        capability: str,
+        arguments: Any,
+        idempotency_key: str,
+        call: Callable[[CallContext], Awaitable[Any] | Any],
+        subject: str = "",
+        approval: Mapping[str, Any] | None = None,
+        invocation_id: str | None = None,
+        reference: Callable[[Any], str] | None = None,
+    ) -> InvocationResult:
+        """`LedgerClient.invoke`, awaited: intent with the first attempt, the call if
+        admitted, then the outcome."""
+        return await self._run(
+            self.protocol.invoked(
+                task_id=task_id, capability=capability, arguments=arguments,
+                idempotency_key=idempotency_key, call=call, subject=subject,
+                approval=approval, invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
+                reference=reference,
+            )
+        )  # fmt: skip
+
+    async def retry(
+        self,
+        invocation_id: str,
+        call: Callable[[CallContext], Awaitable[Any] | Any],
+        *,
+        reference: Callable[[Any], str] | None = None,
+    ) -> InvocationResult:
+        """`LedgerClient.retry`, awaited."""
+        return await self._run(self.protocol.retried(invocation_id, call, reference))
+
+    async def state(self, invocation_id: str) -> dict[str, Any]:
+        """`LedgerClient.state`, awaited."""
+        return await self._run(self.protocol.state(invocation_id))
+
+    async def flush(self) -> FlushReport:
+        """`LedgerClient.flush`, awaited. The spool is read and rewritten in a thread,
+        which has each record sent by this loop."""
+        if self.spool is None:
+            return FlushReport()
+        loop = asyncio.get_running_loop()
 
         def send(record: Record) -> str | Refused | None:
-            try:
-                status, body = self.request("POST", record.path, record.body)
-            except LedgerUnreachable as exc:
-                return str(exc)
-            error = body.get("error", {}) if isinstance(body, Mapping) else {}
-            if status in (200, 201) or error.get("type") == "outcome_conflict":
-                return None  # recorded; a conflicting claim is kept by the ledger as evidence
-            if status in (400, 413, 422):
-                return Refused(status, f"{error.get('type')}: {error.get('message')}")
-            return f"{status} {error.get('type')}: {error.get('message')}"
+            sent = self._run(self.protocol.delivered(record))
+            return asyncio.run_coroutine_threadsafe(sent, loop).result()
 
-        return self.spool.deliver(send)
+        return await asyncio.to_thread(self.spool.deliver, send)
+
+    async def _run[T](self, steps: Steps[T]) -> T:
+        """`LedgerClient._run`, with each step awaited."""
+        answer: Any = None
+        failure: Exception | None = None
+        while True:
+            try:
+                step = steps.throw(failure) if failure else steps.send(answer)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            answer, failure = None, None
+            try:
+                answer = await self._do(step)
+            except Exception as exc:
+                failure = exc
+
+    async def _do(self, step: Step) -> Any:
+        match step:
+            case Send(method, path, body):
+                return await self.http.request(method, path, json=body)
+            case Pause(seconds):
+                await asyncio.sleep(seconds)
+            case Dispatch(call, context):
+                value = call(context)
+                return await value if inspect.isawaitable(value) else value
+            case Keep(record):
+                assert self.spool is not None
+                await asyncio.to_thread(self.spool.append, record)
+        return None

@@ -240,6 +240,19 @@ def test_the_client_works_in_a_venv_with_only_httpx(
                                idempotency_key="venv-key", call=lambda ctx: {{"id": "RF-v"}},
                                reference=lambda v: v["id"])
         print(result.kind, result.business_reference)
+
+        import asyncio
+        from ledger.client import AsyncLedgerClient
+        async def refund(ctx):
+            return {{"id": "RF-async"}}
+        async def main():
+            async with AsyncLedgerClient({live_server.url!r}, {token!r}) as client:
+                return await client.invoke(
+                    task_id="t", capability="refund.create", arguments={{"a": 2}},
+                    idempotency_key="venv-async-key", call=refund, reference=lambda v: v["id"],
+                )
+        result = asyncio.run(main())
+        print(result.kind, result.business_reference)
         """
     )
     run = subprocess.run(
@@ -247,7 +260,7 @@ def test_the_client_works_in_a_venv_with_only_httpx(
         capture_output=True, text=True,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "succeeded RF-v"
+    assert run.stdout.split("\n")[:2] == ["succeeded RF-v", "succeeded RF-async"]
 
 
 def test_a_tool_that_cannot_tell_whether_it_sent_is_dispatch_not_established(

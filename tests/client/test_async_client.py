@@ -1,0 +1,257 @@
+"""The asyncio runtime client against a live ledger (pytest's live server on PostgreSQL).
+
+`AsyncLedgerClient` follows the same protocol module as `LedgerClient`, whose tests
+cover each of the protocol's answers; these show that each kind of step (a request,
+a pause before resending, the tool call, the spool) is done, and awaited, by the
+async client, and what concurrency and cancellation on one event loop do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ledger.client import (
+    AsyncLedgerClient,
+    BusinessFailure,
+    CallContext,
+)
+from ledger.models import Attempt, Invocation, Outcome
+from tests.client.conftest import TcpProxy
+
+
+class AsyncTool:
+    """A business tool with an async client library: it awaits before it answers."""
+
+    def __init__(self, behaviour: Any = None) -> None:
+        self.calls: list[CallContext] = []
+        self.behaviour = behaviour
+
+    async def __call__(self, context: CallContext) -> Any:
+        self.calls.append(context)
+        await asyncio.sleep(0)  # the answer comes back through the event loop
+        if isinstance(self.behaviour, BaseException):
+            raise self.behaviour
+        if callable(self.behaviour):
+            return await self.behaviour(context)
+        return {"id": f"RF-{len(self.calls)}"}
+
+
+async def invoke(
+    client: AsyncLedgerClient, tool: Callable[..., Any], key: str = "refund-SO-1"
+) -> Any:
+    return await client.invoke(
+        task_id="task-1", capability="refund.create", arguments={"order": "SO-1"},
+        idempotency_key=key, call=tool, reference=lambda v: v["id"],
+    )  # fmt: skip
+
+
+def run[T](journey: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """A journey on an event loop of its own (the database is asserted on outside it:
+    Django's ORM refuses to run inside one)."""
+    return asyncio.run(journey())
+
+
+def test_an_async_tool_is_awaited_and_its_success_recorded(live_server: Any, token: str) -> None:
+    tool = AsyncTool()
+
+    async def journey() -> Any:
+        async with AsyncLedgerClient(live_server.url, token) as client:
+            return await invoke(client, tool)
+
+    result = run(journey)
+    assert (result.kind, result.status, result.next_action) == ("succeeded", "succeeded", "none")
+    assert (result.value, result.business_reference) == ({"id": "RF-1"}, "RF-1")
+    assert tool.calls[0].idempotency_key == "refund-SO-1"
+    assert Outcome.objects.get().business_reference == "RF-1"
+
+
+def test_a_plain_function_is_a_tool_too(live_server: Any, token: str) -> None:
+    calls: list[CallContext] = []
+
+    def refund(context: CallContext) -> dict[str, str]:
+        calls.append(context)
+        return {"id": "RF-plain"}
+
+    async def journey() -> Any:
+        async with AsyncLedgerClient(live_server.url, token) as client:
+            return await invoke(client, refund)
+
+    assert run(journey).business_reference == "RF-plain"
+    assert len(calls) == 1
+    assert Outcome.objects.get().business_reference == "RF-plain"
+
+
+def test_an_unknown_failure_is_never_retried_and_a_retryable_one_is(
+    live_server: Any, token: str
+) -> None:
+    again = AsyncTool()
+
+    async def journey() -> tuple[Any, Any, Any, Any]:
+        async with AsyncLedgerClient(live_server.url, token) as client:
+            lost = await invoke(client, AsyncTool(TimeoutError("no answer")), key="k-lost")
+            refused = await client.retry(lost.invocation_id, again)
+            busy = await invoke(client, AsyncTool(BusinessFailure("busy", retryable=True)))
+            retried = await client.retry(busy.invocation_id, again, reference=lambda v: v["id"])
+            return lost, refused, busy, retried
+
+    lost, refused, busy, retried = run(journey)
+    assert (lost.kind, lost.retryable, lost.reconciliation_required) == (
+        "post_dispatch_evidence_failed",
+        False,
+        True,
+    )
+    assert (refused.kind, refused.reconciliation_required) == ("attempt_refused", True)
+    assert (busy.kind, busy.next_action) == ("business_failed", "retry")
+    assert (retried.kind, retried.attempt_id) == ("succeeded", "a2")
+    # Called once, for the retryable failure's second attempt, under its key.
+    assert [call.idempotency_key for call in again.calls] == ["refund-SO-1"]
+
+
+def test_invocations_run_at_once_on_one_client_and_loop(live_server: Any, token: str) -> None:
+    """Thirty invocations gathered on one client, their tools all waiting until every
+    one has been admitted: each is admitted, called once and recorded."""
+    count = 30
+    all_admitted = asyncio.Event()
+    admitted: list[str] = []
+
+    async def refund(context: CallContext) -> dict[str, str]:
+        admitted.append(context.invocation_id)
+        if len(admitted) == count:
+            all_admitted.set()
+        await all_admitted.wait()  # only returns if the thirty ran at the same time
+        return {"id": f"RF-{context.idempotency_key}"}
+
+    async def journey() -> list[Any]:
+        async with AsyncLedgerClient(live_server.url, token) as client:
+            return list(
+                await asyncio.wait_for(
+                    asyncio.gather(*(invoke(client, refund, key=f"k-{n}") for n in range(count))),
+                    timeout=60,
+                )
+            )
+
+    results = run(journey)
+    assert sorted(result.business_reference for result in results) == sorted(
+        f"RF-k-{n}" for n in range(count)
+    )
+    assert len(set(admitted)) == count
+    assert Outcome.objects.filter(kind="succeeded").count() == count
+
+
+def test_of_two_retries_at_once_only_the_admitted_one_calls(live_server: Any, token: str) -> None:
+    tool = AsyncTool()
+
+    async def journey() -> list[Any]:
+        async with (
+            AsyncLedgerClient(live_server.url, token) as one,
+            AsyncLedgerClient(live_server.url, token) as other,
+        ):
+            busy = await invoke(one, AsyncTool(BusinessFailure("busy", retryable=True)))
+            return list(
+                await asyncio.gather(
+                    one.retry(busy.invocation_id, tool), other.retry(busy.invocation_id, tool)
+                )
+            )
+
+    kinds = sorted(result.kind for result in run(journey))
+    assert len(tool.calls) == 1
+    # The other asked for the same a2 (a 200 replay: in flight) or, once a2 had
+    # succeeded, for a3 (refused).
+    assert kinds[1] == "succeeded" and kinds[0] in ("attempt_in_flight", "attempt_refused")
+    assert Attempt.objects.filter(outcome__isnull=False).count() == 2
+
+
+def test_a_ledger_down_for_the_outcome_spools_it_and_an_awaited_flush_delivers_it(
+    proxy: TcpProxy, token: str, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool.jsonl"
+
+    async def refund_then_ledger_dies(context: CallContext) -> dict[str, str]:
+        proxy.stop()
+        return {"id": "RF-9"}
+
+    async def down() -> Any:
+        async with AsyncLedgerClient(proxy.url, token, spool=str(spool), retries=1) as client:
+            return await invoke(client, AsyncTool(refund_then_ledger_dies))
+
+    result = run(down)
+    assert (result.kind, result.value) == ("post_dispatch_evidence_failed", {"id": "RF-9"})
+    assert "kept in the spool" in result.error
+    assert not Outcome.objects.exists()
+    proxy.start()
+
+    async def flushed() -> tuple[Any, Any]:
+        async with AsyncLedgerClient(proxy.url, token, spool=str(spool)) as client:
+            return await client.flush(), await client.flush()
+
+    first, second = run(flushed)
+    assert (first.delivered, first.remaining, first.damaged) == (1, 0, [])
+    assert second.delivered == 0
+    assert Outcome.objects.get().business_reference == "RF-9"
+    assert Invocation.objects.get().status == "succeeded"
+
+
+class UnavailableOnce(httpx.AsyncHTTPTransport):
+    """Answers the first outcome report with the ledger's 503, as a database outage
+    would; every other request goes to the live ledger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered: list[int] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/outcome") and 503 not in self.answered:
+            self.answered.append(503)
+            return httpx.Response(
+                503, json={"error": {"type": "ledger_unavailable", "message": "", "details": {}}}
+            )
+        response = await super().handle_async_request(request)
+        self.answered.append(response.status_code)
+        return response
+
+
+def test_an_outcome_refused_as_unavailable_is_awaited_and_sent_again(
+    live_server: Any, token: str
+) -> None:
+    transport = UnavailableOnce()
+
+    async def journey() -> Any:
+        async with AsyncLedgerClient(live_server.url, token, transport=transport) as client:
+            return await invoke(client, AsyncTool())
+
+    result = run(journey)
+    assert transport.answered == [201, 503, 201]
+    assert (result.kind, result.status) == ("succeeded", "succeeded")
+    assert Outcome.objects.get().kind == "succeeded"
+
+
+def test_a_cancelled_invocation_records_no_outcome_and_is_left_in_flight(
+    live_server: Any, token: str
+) -> None:
+    """Cancelled while its tool ran, the caller's task ends at once: the client sends
+    no outcome it does not know, and the attempt stays in flight until its deadline,
+    when the sweep hands it to reconciliation, as for a runtime that died there."""
+    started = asyncio.Event()
+
+    async def hangs(context: CallContext) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    async def journey() -> None:
+        async with AsyncLedgerClient(live_server.url, token) as client:
+            task = asyncio.create_task(invoke(client, hangs))
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    run(journey)
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.in_flight_attempt) == ("in_flight", "a1")
+    assert not Outcome.objects.exists()
