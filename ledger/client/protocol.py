@@ -115,7 +115,7 @@ class Keep:
 type Step = Send | Pause | Dispatch | Keep
 type Steps[T] = Generator[Step, Any, T]
 
-Reference = Callable[[Any], str] | None
+type Reference = Callable[[Any], str] | None
 
 
 def not_dispatched(invocation_id: str, task_id: str, why: str) -> InvocationResult:

@@ -170,7 +170,7 @@ class LedgerClient:
         failure: Exception | None = None
         while True:
             try:
-                step = steps.throw(failure) if failure else steps.send(answer)
+                step = steps.send(answer) if failure is None else steps.throw(failure)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
             answer, failure = None, None
@@ -288,7 +288,7 @@ class AsyncLedgerClient:
         failure: Exception | None = None
         while True:
             try:
-                step = steps.throw(failure) if failure else steps.send(answer)
+                step = steps.send(answer) if failure is None else steps.throw(failure)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
             answer, failure = None, None
