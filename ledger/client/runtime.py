@@ -172,7 +172,7 @@ class LedgerClient:
             try:
                 step = steps.send(answer) if failure is None else steps.throw(failure)
             except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+                return done.value
             answer, failure = None, None
             try:
                 answer = self._do(step)
@@ -290,7 +290,7 @@ class AsyncLedgerClient:
             try:
                 step = steps.send(answer) if failure is None else steps.throw(failure)
             except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+                return done.value
             answer, failure = None, None
             try:
                 answer = await self._do(step)
