@@ -12,6 +12,8 @@ Depends on httpx only for its response and error types.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +118,9 @@ type Step = Send | Pause | Dispatch | Keep
 type Steps[T] = Generator[Step, Any, T]
 
 type Reference = Callable[[Any], str] | None
+# What the tool's answer is recorded as: any JSON, kept by the ledger as the outcome's
+# `result` (digested, and redacted for an `audit.sensitive` capability).
+type Evidence = Callable[[Any], Any] | None
 
 
 def not_dispatched(invocation_id: str, task_id: str, why: str) -> InvocationResult:
@@ -209,7 +214,9 @@ class Protocol:
         subject: str,
         approval: Mapping[str, Any] | None,
         invocation_id: str,
+        traceparent: str,
         reference: Reference,
+        result: Evidence,
     ) -> Steps[InvocationResult]:
         """Intent with the first attempt, the call if admitted, then the outcome."""
         intent: dict[str, Any] = {
@@ -219,23 +226,30 @@ class Protocol:
             "arguments": arguments,
             "idempotency_key": idempotency_key,
             "attempt_id": "a1",
+            # The runtime's clock, kept beside the ledger's (which is the one relied on).
+            "requested_at": dt.datetime.now(dt.UTC).isoformat(),
         }
+        if traceparent:
+            intent["traceparent"] = traceparent
         if subject:
             intent["subject"] = subject
         if approval:
             intent["approval"] = dict(approval)
-        return (yield from self._written_ahead(intent, call, reference))
+        return (yield from self._written_ahead(intent, call, reference, result))
 
     def retried(
-        self, invocation_id: str, call: Callable[[CallContext], Any], reference: Reference
+        self,
+        invocation_id: str,
+        call: Callable[[CallContext], Any],
+        reference: Reference,
+        result: Evidence,
     ) -> Steps[InvocationResult]:
         """A new attempt under the same ids and key, only if the ledger admits it.
 
         After an intent the ledger did not confirm, this sends that intent again."""
         if invocation_id in self.unconfirmed:
-            return (
-                yield from self._written_ahead(self.unconfirmed[invocation_id], call, reference)
-            )
+            intent = self.unconfirmed[invocation_id]
+            return (yield from self._written_ahead(intent, call, reference, result))
         try:
             current = yield from self.state(invocation_id)
             attempt_id = f"a{len(current['attempts']) + 1}"
@@ -250,7 +264,7 @@ class Protocol:
         if refused:
             return refused
         context = CallContext(invocation_id, attempt_id, current["idempotency_key"])
-        return (yield from self.dispatched(context, current["task_id"], call, reference))
+        return (yield from self.dispatched(context, current["task_id"], call, reference, result))
 
     def state(self, invocation_id: str) -> Steps[dict[str, Any]]:
         """The ledger's record of an invocation: its typed state, attempts and events."""
@@ -260,7 +274,11 @@ class Protocol:
         return dict(body)
 
     def _written_ahead(
-        self, intent: dict[str, Any], call: Callable[[CallContext], Any], reference: Reference
+        self,
+        intent: dict[str, Any],
+        call: Callable[[CallContext], Any],
+        reference: Reference,
+        result: Evidence,
     ) -> Steps[InvocationResult]:
         invocation_id, task_id = intent["invocation_id"], intent["task_id"]
         try:
@@ -275,7 +293,7 @@ class Protocol:
         if refused:
             return refused
         context = CallContext(invocation_id, intent["attempt_id"], intent["idempotency_key"])
-        return (yield from self.dispatched(context, task_id, call, reference))
+        return (yield from self.dispatched(context, task_id, call, reference, result))
 
     def dispatched(
         self,
@@ -283,6 +301,7 @@ class Protocol:
         task_id: str,
         call: Callable[[CallContext], Any],
         reference: Reference,
+        result: Evidence = None,
     ) -> Steps[InvocationResult]:
         """The tool called for an admitted attempt, and its outcome recorded (or kept).
 
@@ -298,6 +317,10 @@ class Protocol:
             outcome = {"kind": "succeeded"}
             if business_reference:
                 outcome["business_reference"] = business_reference
+            if result is not None:
+                # Checked here, not by the request: evidence that is not JSON is the
+                # evidence failing, told as such, after a call that may have had effect.
+                outcome["result"] = json.loads(json.dumps(result(value), allow_nan=False))
         except BusinessFailure as failure:
             error = failure.message or failure.code
             outcome = {

@@ -114,7 +114,9 @@ class LedgerClient:
         subject: str = "",
         approval: Mapping[str, Any] | None = None,
         invocation_id: str | None = None,
+        traceparent: str = "",
         reference: Callable[[Any], str] | None = None,
+        result: Callable[[Any], Any] | None = None,
     ) -> InvocationResult:
         """Intent with the first attempt, the call if admitted, then the outcome."""
         return self._run(
@@ -122,7 +124,7 @@ class LedgerClient:
                 task_id=task_id, capability=capability, arguments=arguments,
                 idempotency_key=idempotency_key, call=call, subject=subject,
                 approval=approval, invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
-                reference=reference,
+                traceparent=traceparent, reference=reference, result=result,
             )
         )  # fmt: skip
 
@@ -132,11 +134,12 @@ class LedgerClient:
         call: Callable[[CallContext], Any],
         *,
         reference: Callable[[Any], str] | None = None,
+        result: Callable[[Any], Any] | None = None,
     ) -> InvocationResult:
         """A new attempt under the same ids and key, only if the ledger admits it.
 
         After an intent the ledger did not confirm, this sends that intent again."""
-        return self._run(self.protocol.retried(invocation_id, call, reference))
+        return self._run(self.protocol.retried(invocation_id, call, reference, result))
 
     def state(self, invocation_id: str) -> dict[str, Any]:
         """The ledger's record of an invocation: its typed state, attempts and events."""
@@ -242,7 +245,9 @@ class AsyncLedgerClient:
         subject: str = "",
         approval: Mapping[str, Any] | None = None,
         invocation_id: str | None = None,
+        traceparent: str = "",
         reference: Callable[[Any], str] | None = None,
+        result: Callable[[Any], Any] | None = None,
     ) -> InvocationResult:
         """`LedgerClient.invoke`, awaited: intent with the first attempt, the call if
         admitted, then the outcome."""
@@ -251,7 +256,7 @@ class AsyncLedgerClient:
                 task_id=task_id, capability=capability, arguments=arguments,
                 idempotency_key=idempotency_key, call=call, subject=subject,
                 approval=approval, invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
-                reference=reference,
+                traceparent=traceparent, reference=reference, result=result,
             )
         )  # fmt: skip
 
@@ -261,9 +266,10 @@ class AsyncLedgerClient:
         call: Callable[[CallContext], Awaitable[Any] | Any],
         *,
         reference: Callable[[Any], str] | None = None,
+        result: Callable[[Any], Any] | None = None,
     ) -> InvocationResult:
         """`LedgerClient.retry`, awaited."""
-        return await self._run(self.protocol.retried(invocation_id, call, reference))
+        return await self._run(self.protocol.retried(invocation_id, call, reference, result))
 
     async def state(self, invocation_id: str) -> dict[str, Any]:
         """`LedgerClient.state`, awaited."""

@@ -23,6 +23,7 @@ from ledger.client import (
 )
 from ledger.models import Attempt, Invocation, Outcome
 from tests.client.conftest import TcpProxy
+from tests.client.test_client import TRACEPARENT
 
 
 class AsyncTool:
@@ -62,13 +63,19 @@ def test_an_async_tool_is_awaited_and_its_success_recorded(live_server: Any, tok
 
     async def journey() -> Any:
         async with AsyncLedgerClient(live_server.url, token) as client:
-            return await invoke(client, tool)
+            return await client.invoke(
+                task_id="task-1", capability="refund.create", arguments={"order": "SO-1"},
+                idempotency_key="refund-SO-1", call=tool, traceparent=TRACEPARENT,
+                reference=lambda v: v["id"], result=lambda v: {"refund": v["id"]},
+            )  # fmt: skip
 
     result = run(journey)
     assert (result.kind, result.status, result.next_action) == ("succeeded", "succeeded", "none")
     assert (result.value, result.business_reference) == ({"id": "RF-1"}, "RF-1")
     assert tool.calls[0].idempotency_key == "refund-SO-1"
-    assert Outcome.objects.get().business_reference == "RF-1"
+    outcome = Outcome.objects.select_related("attempt__invocation").get()
+    assert (outcome.business_reference, outcome.result) == ("RF-1", {"refund": "RF-1"})
+    assert outcome.attempt.invocation.traceparent == TRACEPARENT
 
 
 def test_a_plain_function_is_a_tool_too(live_server: Any, token: str) -> None:

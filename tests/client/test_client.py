@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import decimal
 import json
 import shutil
 import signal
@@ -63,6 +65,47 @@ def test_a_success_is_recorded_with_its_reference(live_server: Any, token: str) 
     assert (result.value, result.business_reference) == ({"id": "RF-1"}, "RF-1")
     assert tool.calls[0].idempotency_key == "refund-SO-1"
     assert Outcome.objects.get().business_reference == "RF-1"
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_the_answer_trace_and_runtime_clock_are_kept_as_evidence(
+    live_server: Any, token: str
+) -> None:
+    client = LedgerClient(live_server.url, token)
+    before = dt.datetime.now(dt.UTC)
+    result = client.invoke(
+        task_id="task-1", capability="refund.create", arguments={"order": "SO-1"},
+        idempotency_key="refund-SO-1", call=Tool(), traceparent=TRACEPARENT,
+        reference=lambda v: v["id"], result=lambda v: {**v, "amount": "12.50"},
+    )  # fmt: skip
+    assert result.kind == "succeeded"
+    outcome = Outcome.objects.select_related("attempt__invocation").get()
+    assert outcome.result == {"id": "RF-1", "amount": "12.50"}
+    assert outcome.result_digest.startswith("sha256:")
+    invocation = outcome.attempt.invocation
+    assert invocation.traceparent == TRACEPARENT
+    assert invocation.requested_at is not None
+    assert before <= invocation.requested_at <= invocation.created_at
+
+
+def test_an_answer_that_is_not_json_is_told_as_missing_evidence(
+    live_server: Any, token: str
+) -> None:
+    """The refund was made; what it answered cannot be recorded: the caller is told the
+    evidence failed, never to retry, and the ledger reconciles it by its key."""
+    client = LedgerClient(live_server.url, token)
+    tool = Tool()
+    result = invoke(client, tool, result=lambda v: {"amount": decimal.Decimal("12.50")})
+    assert len(tool.calls) == 1
+    assert (result.kind, result.retryable, result.reconciliation_required) == (
+        "post_dispatch_evidence_failed",
+        False,
+        True,
+    )
+    assert "Decimal is not JSON serializable" in result.error
+    assert Outcome.objects.get().error_code == "TypeError"
 
 
 def test_a_business_refusal_is_business_failed(live_server: Any, token: str) -> None:
