@@ -117,10 +117,17 @@ class Keep:
 type Step = Send | Pause | Dispatch | Keep
 type Steps[T] = Generator[Step, Any, T]
 
-type Reference = Callable[[Any], str] | None
-# What the tool's answer is recorded as: any JSON, kept by the ledger as the outcome's
-# `result` (digested, and redacted for an `audit.sensitive` capability).
-type Evidence = Callable[[Any], Any] | None
+
+@dataclass(frozen=True)
+class Tool:
+    """The business call, and what of its answer the outcome records."""
+
+    call: Callable[[CallContext], Any]
+    # The business system's id of the effect: the outcome's `business_reference`.
+    reference: Callable[[Any], str] | None = None
+    # Any JSON: the outcome's `result` (digested, and redacted for an `audit.sensitive`
+    # capability).
+    result: Callable[[Any], Any] | None = None
 
 
 def not_dispatched(invocation_id: str, task_id: str, why: str) -> InvocationResult:
@@ -210,13 +217,11 @@ class Protocol:
         capability: str,
         arguments: Any,
         idempotency_key: str,
-        call: Callable[[CallContext], Any],
+        tool: Tool,
         subject: str,
         approval: Mapping[str, Any] | None,
         invocation_id: str,
         traceparent: str,
-        reference: Reference,
-        result: Evidence,
     ) -> Steps[InvocationResult]:
         """Intent with the first attempt, the call if admitted, then the outcome."""
         intent: dict[str, Any] = {
@@ -235,21 +240,15 @@ class Protocol:
             intent["subject"] = subject
         if approval:
             intent["approval"] = dict(approval)
-        return (yield from self._written_ahead(intent, call, reference, result))
+        return (yield from self._written_ahead(intent, tool))
 
-    def retried(
-        self,
-        invocation_id: str,
-        call: Callable[[CallContext], Any],
-        reference: Reference,
-        result: Evidence,
-    ) -> Steps[InvocationResult]:
+    def retried(self, invocation_id: str, tool: Tool) -> Steps[InvocationResult]:
         """A new attempt under the same ids and key, only if the ledger admits it.
 
         After an intent the ledger did not confirm, this sends that intent again."""
         if invocation_id in self.unconfirmed:
             intent = self.unconfirmed[invocation_id]
-            return (yield from self._written_ahead(intent, call, reference, result))
+            return (yield from self._written_ahead(intent, tool))
         try:
             current = yield from self.state(invocation_id)
             attempt_id = f"a{len(current['attempts']) + 1}"
@@ -264,7 +263,7 @@ class Protocol:
         if refused:
             return refused
         context = CallContext(invocation_id, attempt_id, current["idempotency_key"])
-        return (yield from self.dispatched(context, current["task_id"], call, reference, result))
+        return (yield from self.dispatched(context, current["task_id"], tool))
 
     def state(self, invocation_id: str) -> Steps[dict[str, Any]]:
         """The ledger's record of an invocation: its typed state, attempts and events."""
@@ -273,13 +272,7 @@ class Protocol:
             raise LedgerRequestError(status, body)
         return dict(body)
 
-    def _written_ahead(
-        self,
-        intent: dict[str, Any],
-        call: Callable[[CallContext], Any],
-        reference: Reference,
-        result: Evidence,
-    ) -> Steps[InvocationResult]:
+    def _written_ahead(self, intent: dict[str, Any], tool: Tool) -> Steps[InvocationResult]:
         invocation_id, task_id = intent["invocation_id"], intent["task_id"]
         try:
             status, body = yield from self.requested("POST", "/api/v1/intents", intent)
@@ -293,16 +286,9 @@ class Protocol:
         if refused:
             return refused
         context = CallContext(invocation_id, intent["attempt_id"], intent["idempotency_key"])
-        return (yield from self.dispatched(context, task_id, call, reference, result))
+        return (yield from self.dispatched(context, task_id, tool))
 
-    def dispatched(
-        self,
-        context: CallContext,
-        task_id: str,
-        call: Callable[[CallContext], Any],
-        reference: Reference,
-        result: Evidence = None,
-    ) -> Steps[InvocationResult]:
+    def dispatched(self, context: CallContext, task_id: str, tool: Tool) -> Steps[InvocationResult]:
         """The tool called for an admitted attempt, and its outcome recorded (or kept).
 
         Only an `Exception` from the tool is an outcome. Anything else (KeyboardInterrupt,
@@ -312,15 +298,15 @@ class Protocol:
         value, error = None, ""
         outcome: dict[str, Any]
         try:
-            value = yield Dispatch(call, context)
-            business_reference = reference(value) if reference else ""
+            value = yield Dispatch(tool.call, context)
+            business_reference = tool.reference(value) if tool.reference else ""
             outcome = {"kind": "succeeded"}
             if business_reference:
                 outcome["business_reference"] = business_reference
-            if result is not None:
+            if tool.result is not None:
                 # Checked here, not by the request: evidence that is not JSON is the
                 # evidence failing, told as such, after a call that may have had effect.
-                outcome["result"] = json.loads(json.dumps(result(value), allow_nan=False))
+                outcome["result"] = json.loads(json.dumps(tool.result(value), allow_nan=False))
         except BusinessFailure as failure:
             error = failure.message or failure.code
             outcome = {

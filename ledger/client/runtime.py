@@ -55,6 +55,7 @@ from ledger.client.protocol import (
     Send,
     Step,
     Steps,
+    Tool,
 )
 from ledger.client.spool import FlushReport, Record, Refused, Spool
 
@@ -122,9 +123,9 @@ class LedgerClient:
         return self._run(
             self.protocol.invoked(
                 task_id=task_id, capability=capability, arguments=arguments,
-                idempotency_key=idempotency_key, call=call, subject=subject,
-                approval=approval, invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
-                traceparent=traceparent, reference=reference, result=result,
+                idempotency_key=idempotency_key, tool=Tool(call, reference, result),
+                subject=subject, approval=approval, traceparent=traceparent,
+                invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
             )
         )  # fmt: skip
 
@@ -139,7 +140,7 @@ class LedgerClient:
         """A new attempt under the same ids and key, only if the ledger admits it.
 
         After an intent the ledger did not confirm, this sends that intent again."""
-        return self._run(self.protocol.retried(invocation_id, call, reference, result))
+        return self._run(self.protocol.retried(invocation_id, Tool(call, reference, result)))
 
     def state(self, invocation_id: str) -> dict[str, Any]:
         """The ledger's record of an invocation: its typed state, attempts and events."""
@@ -164,7 +165,7 @@ class LedgerClient:
         call: Callable[[CallContext], Any],
         reference: Callable[[Any], str] | None,
     ) -> InvocationResult:
-        return self._run(self.protocol.dispatched(context, task_id, call, reference))
+        return self._run(self.protocol.dispatched(context, task_id, Tool(call, reference)))
 
     def _run[T](self, steps: Steps[T]) -> T:
         """The protocol's steps done one after the other, each one's answer (or its
@@ -254,9 +255,9 @@ class AsyncLedgerClient:
         return await self._run(
             self.protocol.invoked(
                 task_id=task_id, capability=capability, arguments=arguments,
-                idempotency_key=idempotency_key, call=call, subject=subject,
-                approval=approval, invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
-                traceparent=traceparent, reference=reference, result=result,
+                idempotency_key=idempotency_key, tool=Tool(call, reference, result),
+                subject=subject, approval=approval, traceparent=traceparent,
+                invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
             )
         )  # fmt: skip
 
@@ -269,7 +270,7 @@ class AsyncLedgerClient:
         result: Callable[[Any], Any] | None = None,
     ) -> InvocationResult:
         """`LedgerClient.retry`, awaited."""
-        return await self._run(self.protocol.retried(invocation_id, call, reference, result))
+        return await self._run(self.protocol.retried(invocation_id, Tool(call, reference, result)))
 
     async def state(self, invocation_id: str) -> dict[str, Any]:
         """`LedgerClient.state`, awaited."""
