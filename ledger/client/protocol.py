@@ -291,10 +291,14 @@ class Protocol:
     def dispatched(self, context: CallContext, task_id: str, tool: Tool) -> Steps[InvocationResult]:
         """The tool called for an admitted attempt, and its outcome recorded (or kept).
 
-        Only an `Exception` from the tool is an outcome. Anything else (KeyboardInterrupt,
-        SystemExit, an asyncio task's cancellation) ends the call at once, with nothing
-        sent: the attempt stays in flight until its deadline, and then the ledger's
-        sweep hands it to reconciliation, as it does when a runtime dies mid-call."""
+        An `Exception` from the tool is an outcome, sent at once. Anything else
+        (KeyboardInterrupt, SystemExit, an asyncio task's cancellation) is the caller
+        abandoning the call: it ends at once, with no request sent while the caller
+        waits to stop. With a spool, what is known is kept for the next flush: that the
+        effect is unknown, or the outcome that was being sent. Without one the attempt
+        stays in flight until its deadline, when the ledger's sweep hands it to
+        reconciliation, as it does when a runtime dies mid-call."""
+        path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
         value, error = None, ""
         outcome: dict[str, Any]
         try:
@@ -328,7 +332,11 @@ class Protocol:
             }
             if str(exc):
                 outcome["error"]["message"] = str(exc)[:4000]
-        path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
+        except GeneratorExit:  # the protocol itself closed, not the call
+            raise
+        except BaseException as abandoned:
+            yield from self._abandoned(Record(path, abandoned_outcome(abandoned)))
+            raise
         try:
             status, body = yield from self.requested("POST", path, outcome)
         except LedgerUnreachable as exc:
@@ -337,6 +345,11 @@ class Protocol:
                     context, task_id, path, outcome, value, f"not recorded ({exc})"
                 )
             )
+        except GeneratorExit:
+            raise
+        except BaseException:  # abandoned while the outcome was sent: a replay is harmless
+            yield from self._abandoned(Record(path, outcome))
+            raise
         if status in CALLER_REFUSED:
             # A token revoked or rotated while the tool ran: a flush with the new one
             # delivers the outcome.
@@ -353,6 +366,11 @@ class Protocol:
             business_reference=outcome.get("business_reference", ""), error=error,
             flags=body["flags"],
         )  # fmt: skip
+
+    def _abandoned(self, record: Record) -> Steps[None]:
+        """What is known of a call its caller abandoned, kept without a request."""
+        if self.spooled:
+            yield Keep(record)
 
     def _kept(
         self,
@@ -390,6 +408,20 @@ class Protocol:
         if status in (400, 413, 422):
             return Refused(status, f"{error.get('type')}: {error.get('message')}")
         return f"{status} {error.get('type')}: {error.get('message')}"
+
+
+def abandoned_outcome(abandoned: BaseException) -> dict[str, Any]:
+    """The outcome of a call its caller stopped waiting for: it may have had its
+    effect, and only reconciliation can tell."""
+    name = type(abandoned).__name__
+    return {
+        "kind": "post_dispatch_evidence_failed",
+        "error": {
+            "code": name,
+            "message": f"the runtime stopped waiting for the tool ({name});"
+            " whether it had its effect is unknown",
+        },
+    }
 
 
 def refusal(

@@ -171,7 +171,7 @@ class LedgerClient:
         """The protocol's steps done one after the other, each one's answer (or its
         exception) given back to the protocol, until it returns."""
         answer: Any = None
-        failure: Exception | None = None
+        failure: BaseException | None = None
         while True:
             try:
                 step = steps.send(answer) if failure is None else steps.throw(failure)
@@ -180,8 +180,8 @@ class LedgerClient:
             answer, failure = None, None
             try:
                 answer = self._do(step)
-            except Exception as exc:
-                failure = exc
+            except BaseException as exc:  # a KeyboardInterrupt too: the protocol keeps
+                failure = exc  # what it knows of the call, then raises it on
 
     def _do(self, step: Step) -> Any:
         match step:
@@ -204,9 +204,10 @@ class AsyncLedgerClient:
     thread, so that their fsyncs do not hold the loop.
 
     One client serves any number of invocations at once on its loop. A task cancelled
-    while its tool runs (by `asyncio.timeout` around `invoke`, say) sends no outcome:
-    to bound a tool's time and have the ledger told at once, bound it inside the tool,
-    whose TimeoutError is then recorded as `post_dispatch_evidence_failed`."""
+    while its tool runs (by `asyncio.timeout` around `invoke`, say) sends no outcome,
+    only spools one for the next flush: to bound a tool's time and have the ledger told
+    at once, bound it inside the tool, whose TimeoutError is then recorded as
+    `post_dispatch_evidence_failed`."""
 
     def __init__(
         self,
@@ -292,7 +293,7 @@ class AsyncLedgerClient:
     async def _run[T](self, steps: Steps[T]) -> T:
         """`LedgerClient._run`, with each step awaited."""
         answer: Any = None
-        failure: Exception | None = None
+        failure: BaseException | None = None
         while True:
             try:
                 step = steps.send(answer) if failure is None else steps.throw(failure)
@@ -301,7 +302,7 @@ class AsyncLedgerClient:
             answer, failure = None, None
             try:
                 answer = await self._do(step)
-            except Exception as exc:
+            except BaseException as exc:  # the task's cancellation too, as above
                 failure = exc
 
     async def _do(self, step: Step) -> Any:

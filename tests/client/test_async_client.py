@@ -238,12 +238,13 @@ def test_an_outcome_refused_as_unavailable_is_awaited_and_sent_again(
     assert Outcome.objects.get().kind == "succeeded"
 
 
-def test_a_cancelled_invocation_records_no_outcome_and_is_left_in_flight(
+def test_a_cancelled_invocation_without_a_spool_is_left_in_flight(
     live_server: Any, token: str
 ) -> None:
-    """Cancelled while its tool ran, the caller's task ends at once: the client sends
-    no outcome it does not know, and the attempt stays in flight until its deadline,
-    when the sweep hands it to reconciliation, as for a runtime that died there."""
+    """Cancelled while its tool ran, the caller's task ends at once, with no request
+    sent: with nowhere to keep what it knows, the client leaves the attempt in flight
+    until its deadline, when the sweep hands it to reconciliation, as for a runtime
+    that died there."""
     started = asyncio.Event()
 
     async def hangs(context: CallContext) -> None:
@@ -262,3 +263,67 @@ def test_a_cancelled_invocation_records_no_outcome_and_is_left_in_flight(
     invocation = Invocation.objects.get()
     assert (invocation.status, invocation.in_flight_attempt) == ("in_flight", "a1")
     assert not Outcome.objects.exists()
+
+
+def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_by_the_next_flush(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """`asyncio.timeout` around the invocation, as a runtime bounds a tool it cannot
+    bound itself: the task still ends at the timeout, and the spool tells the ledger
+    at the next flush that the call's effect is unknown, and why."""
+    spool = tmp_path / "spool.jsonl"
+
+    async def hangs(context: CallContext) -> None:
+        await asyncio.Event().wait()
+
+    async def journey() -> Any:
+        async with AsyncLedgerClient(live_server.url, token, spool=str(spool)) as client:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1):
+                    await invoke(client, hangs)
+            return await client.flush()
+
+    report = run(journey)
+    assert (report.delivered, report.remaining) == (1, 0)
+    outcome = Outcome.objects.get()
+    assert (outcome.kind, outcome.error_code) == ("post_dispatch_evidence_failed", "CancelledError")
+    assert "stopped waiting for the tool" in outcome.error_message
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.cause) == (
+        "reconciliation_required",
+        "evidence_reported_lost",
+    )
+
+
+class StallsOutcomes(httpx.AsyncHTTPTransport):
+    """The ledger never answers an outcome report, as behind a stalled proxy."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/outcome"):
+            await asyncio.Event().wait()
+        return await super().handle_async_request(request)
+
+
+def test_an_outcome_cancelled_on_its_way_is_kept_and_delivered_by_the_next_flush(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """The refund was made and its outcome is being sent when the caller's timeout
+    cancels the task: the outcome the client knew is kept, not lost to the sweep."""
+    spool = tmp_path / "spool.jsonl"
+
+    async def journey() -> Any:
+        stalled = AsyncLedgerClient(
+            live_server.url, token, spool=str(spool), transport=StallsOutcomes()
+        )
+        async with stalled:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1):
+                    await invoke(stalled, AsyncTool())
+        async with AsyncLedgerClient(live_server.url, token, spool=str(spool)) as client:
+            return await client.flush()
+
+    report = run(journey)
+    assert (report.delivered, report.remaining) == (1, 0)
+    outcome = Outcome.objects.get()
+    assert (outcome.kind, outcome.business_reference) == ("succeeded", "RF-1")
+    assert Invocation.objects.get().status == "succeeded"

@@ -338,6 +338,54 @@ def test_a_second_attempt_while_one_is_in_flight_is_refused_locally(
     assert inner_tool.calls == []
 
 
+INTERRUPTED_SCRIPT = """
+import sys, time
+from pathlib import Path
+from ledger.client import LedgerClient
+url, token, spool, marker = sys.argv[1:5]
+def refund(context):
+    Path(marker).write_text("dispatched")
+    time.sleep(600)  # the payments system never answers; the operator presses Ctrl-C
+LedgerClient(url, token, spool=spool).invoke(
+    task_id="t", capability="refund.create", arguments={}, idempotency_key="k-int", call=refund
+)
+"""
+
+
+def test_a_call_interrupted_by_ctrl_c_is_kept_as_unknown_and_delivered_by_the_next_flush(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """SIGINT while the tool waits on the business system: the runtime stops at once,
+    sending nothing, but its spool says the call's effect is unknown, so the ledger
+    learns why at the next flush instead of at the attempt's deadline."""
+    spool, marker = tmp_path / "spool.jsonl", tmp_path / "marker"
+    marker.write_text("")
+    runtime = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_SCRIPT, live_server.url, token, str(spool), str(marker)],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for(lambda: marker.read_text() == "dispatched", seconds=20)
+        runtime.send_signal(signal.SIGINT)
+        _, stderr = runtime.communicate(timeout=20)
+    finally:
+        runtime.kill()
+    assert "KeyboardInterrupt" in stderr
+    assert Invocation.objects.get().status == "in_flight"
+    report = LedgerClient(live_server.url, token, spool=str(spool)).flush()
+    assert (report.delivered, report.remaining) == (1, 0)
+    outcome = Outcome.objects.get()
+    assert (outcome.kind, outcome.error_code) == (
+        "post_dispatch_evidence_failed",
+        "KeyboardInterrupt",
+    )
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.cause) == (
+        "reconciliation_required",
+        "evidence_reported_lost",
+    )
+
+
 def test_an_attempt_admitted_before_is_never_called_again(live_server: Any, token: str) -> None:
     """A runtime that died after dispatch and re-invokes under the same invocation_id
     gets a replayed admission (200): the tool may have run, so it is not called again."""
