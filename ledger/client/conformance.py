@@ -63,7 +63,8 @@ def run(
     invocation_id, key = f"conformance-{run_id}", f"conformance-{run_id}"
     descriptor, spool = tempfile.mkstemp(suffix=".spool")
     os.close(descriptor)
-    ledger = LedgerClient(url, token, spool=spool)
+    # Delivering the spool only when asked (step 7), after the reconciliation it tests.
+    ledger = LedgerClient(url, token, spool=spool, auto_flush=False)
     # Same ledger, same spool; its outcome reports go nowhere.
     severed = LedgerClient("http://127.0.0.1:9", token, spool=spool, retries=0)
     payments = httpx.Client(base_url=standin, timeout=10)

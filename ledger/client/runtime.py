@@ -19,8 +19,9 @@ the tool is an outcome, not a crash: `BusinessFailure` → business_failed,
 `NotDispatched` → pre_dispatch_rejected, `DispatchNotEstablished` →
 dispatch_not_established, anything else → post_dispatch_evidence_failed. An outcome
 the ledger cannot take (down, rate-limited past the retries, or answered for by a
-proxy's error page) is kept in the durable spool and delivered by `flush()`; the
-caller then gets `post_dispatch_evidence_failed`, never a generic error.
+proxy's error page) is kept in the durable spool, delivered after the next call the
+ledger answers or by `flush()`; the caller then gets `post_dispatch_evidence_failed`,
+never a generic error.
 
 `AsyncLedgerClient` is the same for asyncio runtimes: its methods are awaited, and
 its tool may be a coroutine function. Both follow `ledger.client.protocol`, which
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -72,6 +74,28 @@ __all__ = [
 ]
 
 
+log = logging.getLogger("ledger.client")
+
+
+def _delivery_due(spool: Spool | None, answered: InvocationResult) -> bool:
+    """Whether the spool is delivered after a call (with `auto_flush`, the default):
+    when it holds records and the ledger has just answered (the call's state came from
+    it), so that a runtime that never calls `flush` still delivers what an outage or a
+    cancelled call left there."""
+    return spool is not None and answered.status is not None and spool.holds_records()
+
+
+def _report_delivery(report: FlushReport) -> None:
+    """What a delivery nobody asked for did, in the log: its report has no caller."""
+    level = logging.WARNING if report.damaged or report.refused else logging.INFO
+    log.log(
+        level,
+        "spool delivered=%d remaining=%d damaged=%d refused=%d stopped_by=%s",
+        report.delivered, report.remaining, len(report.damaged), len(report.refused),
+        report.stopped_by,
+    )  # fmt: skip
+
+
 def _http_options(url: str, token: str, timeout: float) -> dict[str, Any]:
     return {
         "base_url": url,
@@ -90,11 +114,13 @@ class LedgerClient:
         spool: str | None = None,
         timeout: float = 5.0,
         retries: int = 3,
+        auto_flush: bool = True,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.http = httpx.Client(**_http_options(url, token, timeout), transport=transport)
         self.spool = Spool(spool) if spool else None
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
+        self.auto_flush = auto_flush
 
     def close(self) -> None:
         self.http.close()
@@ -120,7 +146,7 @@ class LedgerClient:
         result: Callable[[Any], Any] | None = None,
     ) -> InvocationResult:
         """Intent with the first attempt, the call if admitted, then the outcome."""
-        return self._run(
+        answered = self._run(
             self.protocol.invoked(
                 task_id=task_id, capability=capability, arguments=arguments,
                 idempotency_key=idempotency_key, tool=Tool(call, reference, result),
@@ -128,6 +154,8 @@ class LedgerClient:
                 invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
             )
         )  # fmt: skip
+        self._deliver_spooled(answered)
+        return answered
 
     def retry(
         self,
@@ -140,7 +168,9 @@ class LedgerClient:
         """A new attempt under the same ids and key, only if the ledger admits it.
 
         After an intent the ledger did not confirm, this sends that intent again."""
-        return self._run(self.protocol.retried(invocation_id, Tool(call, reference, result)))
+        answered = self._run(self.protocol.retried(invocation_id, Tool(call, reference, result)))
+        self._deliver_spooled(answered)
+        return answered
 
     def state(self, invocation_id: str) -> dict[str, Any]:
         """The ledger's record of an invocation: its typed state, attempts and events."""
@@ -157,6 +187,14 @@ class LedgerClient:
         if self.spool is None:
             return FlushReport()
         return self.spool.deliver(lambda record: self._run(self.protocol.delivered(record)))
+
+    def _deliver_spooled(self, answered: InvocationResult) -> None:
+        if not (self.auto_flush and _delivery_due(self.spool, answered)):
+            return
+        try:
+            _report_delivery(self.flush())
+        except Exception:  # the call's own result stands; the records stay spooled
+            log.exception("spool delivery failed")
 
     def _dispatch(
         self,
@@ -217,11 +255,13 @@ class AsyncLedgerClient:
         spool: str | None = None,
         timeout: float = 5.0,
         retries: int = 3,
+        auto_flush: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.http = httpx.AsyncClient(**_http_options(url, token, timeout), transport=transport)
         self.spool = Spool(spool) if spool else None
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
+        self.auto_flush = auto_flush
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -253,7 +293,7 @@ class AsyncLedgerClient:
     ) -> InvocationResult:
         """`LedgerClient.invoke`, awaited: intent with the first attempt, the call if
         admitted, then the outcome."""
-        return await self._run(
+        answered = await self._run(
             self.protocol.invoked(
                 task_id=task_id, capability=capability, arguments=arguments,
                 idempotency_key=idempotency_key, tool=Tool(call, reference, result),
@@ -261,6 +301,8 @@ class AsyncLedgerClient:
                 invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
             )
         )  # fmt: skip
+        await self._deliver_spooled(answered)
+        return answered
 
     async def retry(
         self,
@@ -271,7 +313,10 @@ class AsyncLedgerClient:
         result: Callable[[Any], Any] | None = None,
     ) -> InvocationResult:
         """`LedgerClient.retry`, awaited."""
-        return await self._run(self.protocol.retried(invocation_id, Tool(call, reference, result)))
+        tool = Tool(call, reference, result)
+        answered = await self._run(self.protocol.retried(invocation_id, tool))
+        await self._deliver_spooled(answered)
+        return answered
 
     async def state(self, invocation_id: str) -> dict[str, Any]:
         """`LedgerClient.state`, awaited."""
@@ -289,6 +334,15 @@ class AsyncLedgerClient:
             return asyncio.run_coroutine_threadsafe(sent, loop).result()
 
         return await asyncio.to_thread(self.spool.deliver, send)
+
+    async def _deliver_spooled(self, answered: InvocationResult) -> None:
+        """`LedgerClient._deliver_spooled`, awaited."""
+        if not (self.auto_flush and _delivery_due(self.spool, answered)):
+            return
+        try:
+            _report_delivery(await self.flush())
+        except Exception:
+            log.exception("spool delivery failed")
 
     async def _run[T](self, steps: Steps[T]) -> T:
         """`LedgerClient._run`, with each step awaited."""

@@ -100,6 +100,14 @@ class Spool:
     def pending(self) -> list[Record]:
         return self._read()[0]
 
+    def holds_records(self) -> bool:
+        """Whether anything is spooled, without reading it: a stat, cheap enough to ask
+        after every call."""
+        try:
+            return self.path.stat().st_size > 0
+        except FileNotFoundError:
+            return False
+
     def deliver(self, send: Callable[[Record], str | Refused | None]) -> FlushReport:
         """Send each record in order. `send` returns None when the ledger recorded the
         record (or had it already), `Refused` when it never will, or a reason to stop

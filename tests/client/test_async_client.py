@@ -21,6 +21,7 @@ from ledger.client import (
     BusinessFailure,
     CallContext,
 )
+from ledger.client.spool import Spool
 from ledger.models import Attempt, Invocation, Outcome
 from tests.client.conftest import TcpProxy
 from tests.client.test_client import TRACEPARENT
@@ -265,12 +266,12 @@ def test_a_cancelled_invocation_without_a_spool_is_left_in_flight(
     assert not Outcome.objects.exists()
 
 
-def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_by_the_next_flush(
+def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_after_the_next_call(
     live_server: Any, token: str, tmp_path: Path
 ) -> None:
     """`asyncio.timeout` around the invocation, as a runtime bounds a tool it cannot
-    bound itself: the task still ends at the timeout, and the spool tells the ledger
-    at the next flush that the call's effect is unknown, and why."""
+    bound itself: the task still ends at the timeout, and the spool tells the ledger,
+    with the client's next call it answers, that the call's effect is unknown, and why."""
     spool = tmp_path / "spool.jsonl"
 
     async def hangs(context: CallContext) -> None:
@@ -281,14 +282,15 @@ def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_by_the_next_flu
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(1):
                     await invoke(client, hangs)
-            return await client.flush()
+            assert len(client.spool.pending()) == 1  # type: ignore[union-attr]
+            return await invoke(client, AsyncTool(), key="refund-SO-2")
 
-    report = run(journey)
-    assert (report.delivered, report.remaining) == (1, 0)
-    outcome = Outcome.objects.get()
+    assert run(journey).kind == "succeeded"
+    assert Spool(spool).pending() == []
+    outcome = Outcome.objects.get(attempt__invocation__idempotency_key="refund-SO-1")
     assert (outcome.kind, outcome.error_code) == ("post_dispatch_evidence_failed", "CancelledError")
     assert "stopped waiting for the tool" in outcome.error_message
-    invocation = Invocation.objects.get()
+    invocation = outcome.attempt.invocation
     assert (invocation.status, invocation.cause) == (
         "reconciliation_required",
         "evidence_reported_lost",

@@ -689,3 +689,51 @@ def test_an_outcome_refused_for_a_token_revoked_mid_call_is_spooled_for_the_new_
     report = LedgerClient(live_server.url, new[0], spool=spool).flush()
     assert (report.delivered, report.remaining) == (1, 0)
     assert Outcome.objects.get().business_reference == "RF-rotated"
+
+
+def test_the_next_call_the_ledger_answers_delivers_what_the_spool_holds(
+    live_server: Any, token: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A runtime that never calls flush: its spooled outcome goes with its next call
+    the ledger answers (unless it turned `auto_flush` off)."""
+    spool = tmp_path / "spool.jsonl"
+    spooled_outcome(live_server, token, spool)
+    manual = LedgerClient(live_server.url, token, spool=str(spool), auto_flush=False)
+    assert invoke(manual, Tool(), key="k-manual").kind == "succeeded"
+    assert len(Spool(spool).pending()) == 1
+    caplog.set_level("INFO", logger="ledger.client")
+    automatic = LedgerClient(live_server.url, token, spool=str(spool))
+    assert invoke(automatic, Tool(), key="k-automatic").kind == "succeeded"
+    assert Spool(spool).pending() == []
+    delivered = Outcome.objects.get(attempt__invocation__invocation_id="inv-spooled")
+    assert (delivered.kind, delivered.business_reference) == ("succeeded", "RF-1")
+    assert "spool delivered=1 remaining=0 damaged=0 refused=0" in caplog.text
+
+
+def test_an_automatic_delivery_never_fails_the_call_it_follows(
+    live_server: Any,
+    token: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record the ledger can never take is set aside and logged as a warning, and a
+    spool that cannot be rewritten is logged as an error: the call's own result stands."""
+    spool = Spool(tmp_path / "spool.jsonl")
+    spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
+    client = LedgerClient(live_server.url, token, spool=str(spool.path))
+    assert invoke(client, Tool(), key="k-1").kind == "succeeded"
+    assert spool.pending() == []
+    assert Path(f"{spool.path}.refused").exists()
+    assert [r.levelname for r in caplog.records if r.name == "ledger.client"] == ["WARNING"]
+
+    spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
+
+    def disk_full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Spool, "_rewrite", disk_full)
+    assert invoke(client, Tool(), key="k-2").kind == "succeeded"
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == ["spool delivery failed"]
+    assert len(spool.pending()) == 1
