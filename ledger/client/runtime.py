@@ -76,6 +76,10 @@ __all__ = [
 
 log = logging.getLogger("ledger.client")
 
+# The most records delivered after one call: the call waits for them, so a spool
+# filled by a long outage is delivered a part at a time, by the calls after it.
+AUTO_FLUSH_RECORDS = 100
+
 
 def _delivery_due(spool: Spool | None, answered: InvocationResult) -> bool:
     """Whether the spool is delivered after a call (with `auto_flush`, the default):
@@ -176,8 +180,8 @@ class LedgerClient:
         """The ledger's record of an invocation: its typed state, attempts and events."""
         return self._run(self.protocol.state(invocation_id))
 
-    def flush(self) -> FlushReport:
-        """Deliver spooled outcomes in order; replays are harmless.
+    def flush(self, most: int | None = None) -> FlushReport:
+        """Deliver spooled outcomes in order (the first `most`); replays are harmless.
 
         Delivery stops, keeping every record, when the ledger is unreachable or refuses
         the caller (a revoked token, or another runtime's: 401, 403, 404), since a
@@ -186,13 +190,13 @@ class LedgerClient:
         """
         if self.spool is None:
             return FlushReport()
-        return self.spool.deliver(lambda record: self._run(self.protocol.delivered(record)))
+        return self.spool.deliver(lambda record: self._run(self.protocol.delivered(record)), most)
 
     def _deliver_spooled(self, answered: InvocationResult) -> None:
         if not (self.auto_flush and _delivery_due(self.spool, answered)):
             return
         try:
-            _report_delivery(self.flush())
+            _report_delivery(self.flush(AUTO_FLUSH_RECORDS))
         except Exception:  # the call's own result stands; the records stay spooled
             log.exception("spool delivery failed")
 
@@ -322,7 +326,7 @@ class AsyncLedgerClient:
         """`LedgerClient.state`, awaited."""
         return await self._run(self.protocol.state(invocation_id))
 
-    async def flush(self) -> FlushReport:
+    async def flush(self, most: int | None = None) -> FlushReport:
         """`LedgerClient.flush`, awaited. The spool is read and rewritten in a thread,
         which has each record sent by this loop."""
         if self.spool is None:
@@ -333,14 +337,14 @@ class AsyncLedgerClient:
             sent = self._run(self.protocol.delivered(record))
             return asyncio.run_coroutine_threadsafe(sent, loop).result()
 
-        return await asyncio.to_thread(self.spool.deliver, send)
+        return await asyncio.to_thread(self.spool.deliver, send, most)
 
     async def _deliver_spooled(self, answered: InvocationResult) -> None:
         """`LedgerClient._deliver_spooled`, awaited."""
         if not (self.auto_flush and _delivery_due(self.spool, answered)):
             return
         try:
-            _report_delivery(await self.flush())
+            _report_delivery(await self.flush(AUTO_FLUSH_RECORDS))
         except Exception:
             log.exception("spool delivery failed")
 

@@ -108,10 +108,12 @@ class Spool:
         except FileNotFoundError:
             return False
 
-    def deliver(self, send: Callable[[Record], str | Refused | None]) -> FlushReport:
-        """Send each record in order. `send` returns None when the ledger recorded the
-        record (or had it already), `Refused` when it never will, or a reason to stop
-        and keep this record and the ones after it."""
+    def deliver(
+        self, send: Callable[[Record], str | Refused | None], most: int | None = None
+    ) -> FlushReport:
+        """Send each record in order, or the first `most`. `send` returns None when the
+        ledger recorded the record (or had it already), `Refused` when it never will, or
+        a reason to stop and keep this record and the ones after it."""
         report = FlushReport()
         with self._locked():
             records, damaged = self._read()
@@ -121,6 +123,9 @@ class Spool:
             kept: list[Record] = []
             refused: list[str] = []
             for index, record in enumerate(records):
+                if index == most:
+                    kept = records[index:]
+                    break
                 answer = send(record)
                 if isinstance(answer, Refused):
                     aside = {

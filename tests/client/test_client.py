@@ -710,6 +710,24 @@ def test_the_next_call_the_ledger_answers_delivers_what_the_spool_holds(
     assert "spool delivered=1 remaining=0 damaged=0 refused=0" in caplog.text
 
 
+def test_a_call_delivers_a_bounded_part_of_a_long_spool(
+    live_server: Any, token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call waits for what it delivers: after a long outage, each of the calls that
+    follow takes its part (here 2 records a call, instead of 100)."""
+    monkeypatch.setattr("ledger.client.runtime.AUTO_FLUSH_RECORDS", 2)
+    spool = Spool(tmp_path / "spool.jsonl")
+    for n in range(3):
+        spool.append(Record(f"/api/v1/invocations/inv-{n}/attempts/a1/outcome", {"kind": "won"}))
+    client = LedgerClient(live_server.url, token, spool=str(spool.path))
+    invoke(client, Tool(), key="k-1")
+    assert [record.path for record in spool.pending()] == [
+        "/api/v1/invocations/inv-2/attempts/a1/outcome"
+    ]
+    invoke(client, Tool(), key="k-2")
+    assert spool.pending() == []
+
+
 def test_an_automatic_delivery_never_fails_the_call_it_follows(
     live_server: Any,
     token: str,
