@@ -90,8 +90,10 @@ def _delivery_due(spool: Spool | None, answered: InvocationResult) -> bool:
 
 
 def _report_delivery(report: FlushReport) -> None:
-    """What a delivery nobody asked for did, in the log: its report has no caller."""
-    level = logging.WARNING if report.damaged or report.refused else logging.INFO
+    """What a delivery nobody asked for did, in the log: its report has no caller. A
+    record set aside, or one the ledger would not take now, is a warning."""
+    trouble = report.damaged or report.refused or report.stopped_by
+    level = logging.WARNING if trouble else logging.INFO
     log.log(
         level,
         "spool delivered=%d remaining=%d damaged=%d refused=%d stopped_by=%s",
