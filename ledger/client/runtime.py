@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -127,6 +128,8 @@ class LedgerClient:
         self.spool = Spool(spool) if spool else None
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
         self.auto_flush = auto_flush
+        # Held by the thread delivering after its call: the others go on, not queue.
+        self._delivering = threading.Lock()
 
     def close(self) -> None:
         self.http.close()
@@ -197,10 +200,14 @@ class LedgerClient:
     def _deliver_spooled(self, answered: InvocationResult) -> None:
         if not (self.auto_flush and _delivery_due(self.spool, answered)):
             return
+        if not self._delivering.acquire(blocking=False):
+            return
         try:
             _report_delivery(self.flush(AUTO_FLUSH_RECORDS))
         except Exception:  # the call's own result stands; the records stay spooled
             log.exception("spool delivery failed")
+        finally:
+            self._delivering.release()
 
     def _dispatch(
         self,
@@ -268,6 +275,7 @@ class AsyncLedgerClient:
         self.spool = Spool(spool) if spool else None
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
         self.auto_flush = auto_flush
+        self._delivering = False
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -342,13 +350,17 @@ class AsyncLedgerClient:
         return await asyncio.to_thread(self.spool.deliver, send, most)
 
     async def _deliver_spooled(self, answered: InvocationResult) -> None:
-        """`LedgerClient._deliver_spooled`, awaited."""
-        if not (self.auto_flush and _delivery_due(self.spool, answered)):
+        """`LedgerClient._deliver_spooled`, awaited: one at a time on the loop, so that
+        invocations ending together do not each hold a thread waiting for the spool."""
+        if self._delivering or not (self.auto_flush and _delivery_due(self.spool, answered)):
             return
+        self._delivering = True
         try:
             _report_delivery(await self.flush(AUTO_FLUSH_RECORDS))
         except Exception:
             log.exception("spool delivery failed")
+        finally:
+            self._delivering = False
 
     async def _run[T](self, steps: Steps[T]) -> T:
         """`LedgerClient._run`, with each step awaited."""

@@ -9,6 +9,7 @@ async client, and what concurrency and cancellation on one event loop do.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from ledger.client import (
     BusinessFailure,
     CallContext,
 )
-from ledger.client.spool import Spool
+from ledger.client.spool import Record, Spool
 from ledger.models import Attempt, Invocation, Outcome
 from tests.client.conftest import TcpProxy
 from tests.client.test_client import TRACEPARENT
@@ -329,3 +330,41 @@ def test_an_outcome_cancelled_on_its_way_is_kept_and_delivered_by_the_next_flush
     outcome = Outcome.objects.get()
     assert (outcome.kind, outcome.business_reference) == ("succeeded", "RF-1")
     assert Invocation.objects.get().status == "succeeded"
+
+
+def test_invocations_ending_together_deliver_the_spool_once(
+    live_server: Any, token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten invocations end at once while the spool holds a record: one delivers it, the
+    others go on without waiting for the spool (each would hold a thread for it)."""
+    spool = Spool(tmp_path / "spool.jsonl")
+    spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
+    deliveries: list[int] = []
+    deliver = Spool.deliver
+
+    def slow_delivery(self: Spool, *args: Any) -> Any:
+        deliveries.append(1)
+        time.sleep(0.5)  # fault pause: a slow disk, while the other invocations end
+        return deliver(self, *args)
+
+    monkeypatch.setattr(Spool, "deliver", slow_delivery)
+    count = 10
+    all_admitted = asyncio.Event()
+    admitted: list[str] = []
+
+    async def refund(context: CallContext) -> dict[str, str]:
+        admitted.append(context.invocation_id)
+        if len(admitted) == count:
+            all_admitted.set()
+        await all_admitted.wait()
+        return {"id": f"RF-{context.idempotency_key}"}
+
+    async def journey() -> list[Any]:
+        async with AsyncLedgerClient(live_server.url, token, spool=str(spool.path)) as client:
+            calls = (invoke(client, refund, key=f"k-{n}") for n in range(count))
+            return list(await asyncio.gather(*calls))
+
+    results = run(journey)
+    assert {result.kind for result in results} == {"succeeded"}
+    assert deliveries == [1]
+    assert spool.pending() == []

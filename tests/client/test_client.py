@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime as dt
 import decimal
 import json
@@ -10,6 +11,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -755,3 +758,34 @@ def test_an_automatic_delivery_never_fails_the_call_it_follows(
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert [r.getMessage() for r in errors] == ["spool delivery failed"]
     assert len(spool.pending()) == 1
+
+
+def test_threads_ending_together_deliver_the_spool_once(
+    live_server: Any, token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five threads of one client end their calls at once while the spool holds a
+    record: one delivers it, the others return without queueing for the spool."""
+    spool = Spool(tmp_path / "spool.jsonl")
+    spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
+    deliveries: list[int] = []
+    deliver = Spool.deliver
+
+    def slow_delivery(self: Spool, *args: Any) -> Any:
+        deliveries.append(1)
+        time.sleep(0.5)  # fault pause: a slow disk, while the other calls end
+        return deliver(self, *args)
+
+    monkeypatch.setattr(Spool, "deliver", slow_delivery)
+    client = LedgerClient(live_server.url, token, spool=str(spool.path))
+    together = threading.Barrier(5)
+
+    def refund(context: CallContext) -> dict[str, str]:
+        together.wait(timeout=30)
+        return {"id": f"RF-{context.idempotency_key}"}
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        calls = [pool.submit(invoke, client, Tool(refund), f"k-{n}") for n in range(5)]
+        kinds = {call.result().kind for call in calls}
+    assert kinds == {"succeeded"}
+    assert deliveries == [1]
+    assert spool.pending() == []
