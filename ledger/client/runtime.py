@@ -80,6 +80,8 @@ log = logging.getLogger("ledger.client")
 # The most records delivered after one call: the call waits for them, so a spool
 # filled by a long outage is delivered a part at a time, by the calls after it.
 AUTO_FLUSH_RECORDS = 100
+# How soon an async flush's thread notices that its caller abandoned it.
+ABANDON_POLL_SECONDS = 0.1
 
 
 def _delivery_due(spool: Spool | None, answered: InvocationResult) -> bool:
@@ -342,12 +344,30 @@ class AsyncLedgerClient:
         if self.spool is None:
             return FlushReport()
         loop = asyncio.get_running_loop()
+        abandoned = threading.Event()
 
         def send(record: Record) -> str | Refused | None:
-            sent = self._run(self.protocol.delivered(record))
-            return asyncio.run_coroutine_threadsafe(sent, loop).result()
+            sent = asyncio.run_coroutine_threadsafe(
+                self._run(self.protocol.delivered(record)), loop
+            )
+            # Waited for in short turns: a flush its caller abandoned (cancelled, or its
+            # loop shutting down) stops at this record, which stays spooled, instead of
+            # holding the spool's lock and its thread (and so the loop's shutdown) for an
+            # answer the loop may never run.
+            while not abandoned.is_set():
+                try:
+                    return sent.result(timeout=ABANDON_POLL_SECONDS)
+                except TimeoutError:
+                    if sent.done():
+                        raise
+            sent.cancel()
+            return "the flush was abandoned by its caller"
 
-        return await asyncio.to_thread(self.spool.deliver, send, most)
+        try:
+            return await asyncio.to_thread(self.spool.deliver, send, most)
+        except BaseException:
+            abandoned.set()
+            raise
 
     async def _deliver_spooled(self, answered: InvocationResult) -> None:
         """`LedgerClient._deliver_spooled`, awaited: one at a time on the loop, so that

@@ -299,11 +299,16 @@ def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_after_the_next_
 
 
 class StallsOutcomes(httpx.AsyncHTTPTransport):
-    """The ledger never answers an outcome report, as behind a stalled proxy."""
+    """The ledger does not answer an outcome report, as behind a stalled proxy, until
+    the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path.endswith("/outcome"):
-            await asyncio.Event().wait()
+            await self.release.wait()
         return await super().handle_async_request(request)
 
 
@@ -368,3 +373,32 @@ def test_invocations_ending_together_deliver_the_spool_once(
     assert {result.kind for result in results} == {"succeeded"}
     assert deliveries == [1]
     assert spool.pending() == []
+
+
+def test_a_flush_abandoned_by_its_caller_lets_go_of_the_spool(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """The ledger stalls on the record being delivered and the caller's timeout
+    cancels the flush: its thread stops at that record, which stays spooled, and lets
+    go of the spool (before, it waited on the stalled answer, holding the spool's lock,
+    and the loop's shutdown waited on that thread)."""
+    spool = Spool(tmp_path / "spool.jsonl")
+    spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
+    later = Record("/api/v1/invocations/inv-y/attempts/a1/outcome", {"kind": "won"})
+    stalled = StallsOutcomes()
+
+    async def journey() -> None:
+        async with AsyncLedgerClient(
+            live_server.url, token, spool=str(spool.path), transport=stalled
+        ) as client:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1):
+                    await client.flush()
+            try:
+                # The spool's lock is free again: an outcome can still be kept.
+                await asyncio.wait_for(asyncio.to_thread(spool.append, later), timeout=20)
+            finally:
+                stalled.release.set()
+
+    run(journey)
+    assert [record.body for record in spool.pending()] == [{"kind": "won"}, {"kind": "won"}]
