@@ -413,12 +413,11 @@ class Protocol:
 def abandoned_outcome(abandoned: BaseException) -> dict[str, Any]:
     """The outcome of a call its caller stopped waiting for: it may have had its
     effect, and only reconciliation can tell."""
-    name = type(abandoned).__name__
     return {
         "kind": "post_dispatch_evidence_failed",
         "error": {
-            "code": name,
-            "message": f"the runtime stopped waiting for the tool ({name});"
+            "code": type(abandoned).__name__,
+            "message": "the runtime stopped waiting for the tool;"
             " whether it had its effect is unknown",
         },
     }
