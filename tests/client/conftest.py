@@ -3,11 +3,14 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ledger.client.spool import Record, Spool
 from ledger.models import Capability, Runtime, RuntimeToken
 
 # Real workers and the stand-in, as reconciliation's tests use them.
@@ -100,3 +103,26 @@ def proxy(live_server: Any) -> Iterator[TcpProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+class SlowDeliveries:
+    """A spool holding one record, whose deliveries are counted, each held up by a slow
+    disk long enough for the calls around it to end meanwhile."""
+
+    def __init__(self, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.spool = Spool(path)
+        self.spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
+        self.count = 0
+        deliver = Spool.deliver
+
+        def slow_delivery(spool: Spool, *args: Any) -> Any:
+            self.count += 1
+            time.sleep(0.5)  # fault pause: the slow disk
+            return deliver(spool, *args)
+
+        monkeypatch.setattr(Spool, "deliver", slow_delivery)
+
+
+@pytest.fixture
+def slow_deliveries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SlowDeliveries:
+    return SlowDeliveries(tmp_path / "spool.jsonl", monkeypatch)

@@ -9,7 +9,6 @@ async client, and what concurrency and cancellation on one event loop do.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from ledger.client import (
 )
 from ledger.client.spool import Record, Spool
 from ledger.models import Attempt, Invocation, Outcome
-from tests.client.conftest import TcpProxy
+from tests.client.conftest import SlowDeliveries, TcpProxy
 from tests.client.test_client import TRACEPARENT
 
 
@@ -122,35 +121,39 @@ def test_an_unknown_failure_is_never_retried_and_a_retryable_one_is(
     assert [call.idempotency_key for call in again.calls] == ["refund-SO-1"]
 
 
+class AllAtOnce:
+    """A refund tool whose calls all wait until `count` of them have been admitted: it
+    only returns if they run at the same time."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.admitted: list[str] = []
+        self.all_admitted = asyncio.Event()
+
+    async def __call__(self, context: CallContext) -> dict[str, str]:
+        self.admitted.append(context.invocation_id)
+        if len(self.admitted) == self.count:
+            self.all_admitted.set()
+        await self.all_admitted.wait()
+        return {"id": f"RF-{context.idempotency_key}"}
+
+
 def test_invocations_run_at_once_on_one_client_and_loop(live_server: Any, token: str) -> None:
     """Thirty invocations gathered on one client, their tools all waiting until every
     one has been admitted: each is admitted, called once and recorded."""
-    count = 30
-    all_admitted = asyncio.Event()
-    admitted: list[str] = []
-
-    async def refund(context: CallContext) -> dict[str, str]:
-        admitted.append(context.invocation_id)
-        if len(admitted) == count:
-            all_admitted.set()
-        await all_admitted.wait()  # only returns if the thirty ran at the same time
-        return {"id": f"RF-{context.idempotency_key}"}
+    refund = AllAtOnce(30)
 
     async def journey() -> list[Any]:
         async with AsyncLedgerClient(live_server.url, token) as client:
-            return list(
-                await asyncio.wait_for(
-                    asyncio.gather(*(invoke(client, refund, key=f"k-{n}") for n in range(count))),
-                    timeout=60,
-                )
-            )
+            calls = (invoke(client, refund, key=f"k-{n}") for n in range(refund.count))
+            return list(await asyncio.wait_for(asyncio.gather(*calls), timeout=60))
 
     results = run(journey)
     assert sorted(result.business_reference for result in results) == sorted(
-        f"RF-k-{n}" for n in range(count)
+        f"RF-k-{n}" for n in range(refund.count)
     )
-    assert len(set(admitted)) == count
-    assert Outcome.objects.filter(kind="succeeded").count() == count
+    assert len(set(refund.admitted)) == refund.count
+    assert Outcome.objects.filter(kind="succeeded").count() == refund.count
 
 
 def test_of_two_retries_at_once_only_the_admitted_one_calls(live_server: Any, token: str) -> None:
@@ -338,41 +341,22 @@ def test_an_outcome_cancelled_on_its_way_is_kept_and_delivered_by_the_next_flush
 
 
 def test_invocations_ending_together_deliver_the_spool_once(
-    live_server: Any, token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    live_server: Any, token: str, slow_deliveries: SlowDeliveries
 ) -> None:
     """Ten invocations end at once while the spool holds a record: one delivers it, the
     others go on without waiting for the spool (each would hold a thread for it)."""
-    spool = Spool(tmp_path / "spool.jsonl")
-    spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
-    deliveries: list[int] = []
-    deliver = Spool.deliver
-
-    def slow_delivery(self: Spool, *args: Any) -> Any:
-        deliveries.append(1)
-        time.sleep(0.5)  # fault pause: a slow disk, while the other invocations end
-        return deliver(self, *args)
-
-    monkeypatch.setattr(Spool, "deliver", slow_delivery)
-    count = 10
-    all_admitted = asyncio.Event()
-    admitted: list[str] = []
-
-    async def refund(context: CallContext) -> dict[str, str]:
-        admitted.append(context.invocation_id)
-        if len(admitted) == count:
-            all_admitted.set()
-        await all_admitted.wait()
-        return {"id": f"RF-{context.idempotency_key}"}
+    refund = AllAtOnce(10)
 
     async def journey() -> list[Any]:
-        async with AsyncLedgerClient(live_server.url, token, spool=str(spool.path)) as client:
-            calls = (invoke(client, refund, key=f"k-{n}") for n in range(count))
+        spool = str(slow_deliveries.spool.path)
+        async with AsyncLedgerClient(live_server.url, token, spool=spool) as client:
+            calls = (invoke(client, refund, key=f"k-{n}") for n in range(refund.count))
             return list(await asyncio.gather(*calls))
 
     results = run(journey)
     assert {result.kind for result in results} == {"succeeded"}
-    assert deliveries == [1]
-    assert spool.pending() == []
+    assert slow_deliveries.count == 1
+    assert slow_deliveries.spool.pending() == []
 
 
 def test_a_flush_abandoned_by_its_caller_lets_go_of_the_spool(

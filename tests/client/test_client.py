@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from ledger.client import (
 )
 from ledger.client.spool import Record, Spool
 from ledger.models import Invocation, Outcome, Runtime, RuntimeToken
-from tests.client.conftest import TcpProxy
+from tests.client.conftest import SlowDeliveries, TcpProxy
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -761,22 +760,11 @@ def test_an_automatic_delivery_never_fails_the_call_it_follows(
 
 
 def test_threads_ending_together_deliver_the_spool_once(
-    live_server: Any, token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    live_server: Any, token: str, slow_deliveries: SlowDeliveries
 ) -> None:
     """Five threads of one client end their calls at once while the spool holds a
     record: one delivers it, the others return without queueing for the spool."""
-    spool = Spool(tmp_path / "spool.jsonl")
-    spool.append(Record("/api/v1/invocations/inv-x/attempts/a1/outcome", {"kind": "won"}))
-    deliveries: list[int] = []
-    deliver = Spool.deliver
-
-    def slow_delivery(self: Spool, *args: Any) -> Any:
-        deliveries.append(1)
-        time.sleep(0.5)  # fault pause: a slow disk, while the other calls end
-        return deliver(self, *args)
-
-    monkeypatch.setattr(Spool, "deliver", slow_delivery)
-    client = LedgerClient(live_server.url, token, spool=str(spool.path))
+    client = LedgerClient(live_server.url, token, spool=str(slow_deliveries.spool.path))
     together = threading.Barrier(5)
 
     def refund(context: CallContext) -> dict[str, str]:
@@ -787,5 +775,5 @@ def test_threads_ending_together_deliver_the_spool_once(
         calls = [pool.submit(invoke, client, Tool(refund), f"k-{n}") for n in range(5)]
         kinds = {call.result().kind for call in calls}
     assert kinds == {"succeeded"}
-    assert deliveries == [1]
-    assert spool.pending() == []
+    assert slow_deliveries.count == 1
+    assert slow_deliveries.spool.pending() == []

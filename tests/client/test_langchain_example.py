@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 
-from ledger.client import BusinessFailure, LedgerClient
-from ledger.client.examples.langchain_tool import refund_tool
+from ledger.client import AsyncLedgerClient, BusinessFailure, LedgerClient
+from ledger.client.examples.langchain_tool import async_refund_tool, refund_tool
 from ledger.models import Invocation
 from reconciliation.standin import StandInService
 
@@ -77,3 +78,59 @@ def test_a_request_after_a_retryable_refusal_retries_under_the_same_key(
     assert (invocation.status, invocation.attempt_count) == ("succeeded", 2)
     assert standin.refunds.count() == 1
     assert calls == ["refund-SO-4", "refund-SO-4"]
+
+
+def async_payments(standin: StandInService) -> Any:
+    async def refund(order: str, amount: float, key: str) -> dict[str, Any]:
+        async with httpx.AsyncClient() as http:
+            made = await http.post(
+                f"{standin.url}/refunds",
+                json={"idempotency_key": key, "order": order, "amount": amount},
+            )
+        if made.status_code == 422:
+            raise BusinessFailure(made.json()["error"])
+        return made.json()  # type: ignore[no-any-return]
+
+    return refund
+
+
+def test_the_async_tool_answers_as_the_blocking_one(
+    live_server: Any, token: str, standin: StandInService
+) -> None:
+    """The same conversation through `ainvoke`, on an event loop: one refund, a repeat
+    answered from the ledger, a refusal, and a retryable refusal retried under its key."""
+    busy = {"once": True}
+    pay = async_payments(standin)
+
+    async def busy_once(order: str, amount: float, key: str) -> dict[str, Any]:
+        if order == "SO-4" and busy.pop("once", False):
+            raise BusinessFailure("busy", "try again", retryable=True)
+        return await pay(order, amount, key)  # type: ignore[no-any-return]
+
+    async def conversation() -> list[str]:
+        async with AsyncLedgerClient(live_server.url, token) as ledger:
+            tool = async_refund_tool(ledger, busy_once, task_id="chat-async")
+            asked = [
+                {"order": "SO-1", "amount": 12.5},
+                {"order": "SO-1", "amount": 12.5},
+                {"order": "SO-2", "amount": 50_000},
+                {"order": "SO-4", "amount": 5},
+                {"order": "SO-4", "amount": 5},
+            ]
+            return [await tool.ainvoke(question) for question in asked]
+
+    answers = asyncio.run(conversation())
+    assert answers[0].startswith("Refunded SO-1: RF-")
+    assert answers[1:4] == [
+        "A refund for SO-1 was already requested (succeeded); do not request it again.",
+        "The payments system refused the refund for SO-2: refund_limit_exceeded.",
+        "The payments system refused the refund for SO-4: try again.",
+    ]
+    assert answers[4].startswith("Refunded SO-4: RF-")
+    assert standin.refunds.count() == 2
+    assert dict(Invocation.objects.values_list("idempotency_key", "status")) == {
+        "refund-SO-1": "succeeded",
+        "refund-SO-2": "failed",
+        "refund-SO-4": "succeeded",
+    }
+    assert Invocation.objects.get(idempotency_key="refund-SO-4").attempt_count == 2
