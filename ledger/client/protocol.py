@@ -114,7 +114,15 @@ class Keep:
     record: Record
 
 
-type Step = Send | Pause | Dispatch | Keep
+@dataclass(frozen=True)
+class Leave:
+    """An outcome sent on its own, after the caller has gone: nobody waits for it. A
+    client that has nothing to send it with after its caller (a blocking one) drops it."""
+
+    record: Record
+
+
+type Step = Send | Pause | Dispatch | Keep | Leave
 type Steps[T] = Generator[Step, Any, T]
 
 
@@ -294,10 +302,11 @@ class Protocol:
         An `Exception` from the tool is an outcome, sent at once. Anything else
         (KeyboardInterrupt, SystemExit, an asyncio task's cancellation) is the caller
         abandoning the call: it ends at once, with no request sent while the caller
-        waits to stop. With a spool, what is known is kept for the next flush: that the
-        effect is unknown, or the outcome that was being sent. Without one the attempt
-        stays in flight until its deadline, when the ledger's sweep hands it to
-        reconciliation, as it does when a runtime dies mid-call."""
+        waits to stop. What is known (that the effect is unknown, or the outcome that
+        was being sent) is kept in the spool for the next delivery, or, without one,
+        sent on its own (`Leave`). Unsent, the attempt stays in flight until its
+        deadline, when the ledger's sweep hands it to reconciliation, as it does when a
+        runtime dies mid-call."""
         path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
         value, error = None, ""
         outcome: dict[str, Any]
@@ -368,9 +377,9 @@ class Protocol:
         )  # fmt: skip
 
     def _abandoned(self, record: Record) -> Steps[None]:
-        """What is known of a call its caller abandoned, kept without a request."""
-        if self.spooled:
-            yield Keep(record)
+        """What is known of a call its caller abandoned, without a request the caller
+        would wait for: kept in the spool, or else sent on its own."""
+        yield Keep(record) if self.spooled else Leave(record)
 
     def _kept(
         self,

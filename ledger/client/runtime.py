@@ -50,6 +50,7 @@ from ledger.client.protocol import (
     DispatchNotEstablished,
     InvocationResult,
     Keep,
+    Leave,
     LedgerRequestError,
     LedgerUnreachable,
     NotDispatched,
@@ -247,6 +248,8 @@ class LedgerClient:
             case Keep(record):
                 assert self.spool is not None
                 self.spool.append(record)
+            case Leave():
+                pass  # a blocking client has nothing to send it with once its caller is gone
         return None
 
 
@@ -257,10 +260,11 @@ class AsyncLedgerClient:
     thread, so that their fsyncs do not hold the loop.
 
     One client serves any number of invocations at once on its loop. A task cancelled
-    while its tool runs (by `asyncio.timeout` around `invoke`, say) sends no outcome,
-    only spools one for the next flush: to bound a tool's time and have the ledger told
-    at once, bound it inside the tool, whose TimeoutError is then recorded as
-    `post_dispatch_evidence_failed`."""
+    while its tool runs (by `asyncio.timeout` around `invoke`, say) ends without
+    waiting for the ledger: the outcome saying so is spooled, or without a spool sent
+    in a task of its own, which `aclose` waits for. To bound a tool's time and have the
+    ledger told at once, bound it inside the tool, whose TimeoutError is then an
+    outcome like any other."""
 
     def __init__(
         self,
@@ -278,8 +282,11 @@ class AsyncLedgerClient:
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
         self.auto_flush = auto_flush
         self._delivering = False
+        # Outcomes of abandoned calls on their way (`Leave`), awaited by aclose.
+        self._leaving: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
+        await asyncio.gather(*self._leaving, return_exceptions=True)
         await self.http.aclose()
 
     async def __aenter__(self) -> AsyncLedgerClient:
@@ -409,4 +416,14 @@ class AsyncLedgerClient:
             case Keep(record):
                 assert self.spool is not None
                 await asyncio.to_thread(self.spool.append, record)
+            case Leave(record):
+                # A task of its own, which the caller's cancellation does not reach.
+                sending = asyncio.create_task(self._left(record))
+                self._leaving.add(sending)
+                sending.add_done_callback(self._leaving.discard)
         return None
+
+    async def _left(self, record: Record) -> None:
+        why = await self._run(self.protocol.delivered(record))
+        if why is not None:
+            log.warning("outcome of an abandoned call not recorded: %s %s", record.path, why)

@@ -243,31 +243,39 @@ def test_an_outcome_refused_as_unavailable_is_awaited_and_sent_again(
     assert Outcome.objects.get().kind == "succeeded"
 
 
-def test_a_cancelled_invocation_without_a_spool_is_left_in_flight(
+def test_a_cancelled_invocation_without_a_spool_sends_its_outcome_on_its_own(
     live_server: Any, token: str
 ) -> None:
-    """Cancelled while its tool ran, the caller's task ends at once, with no request
-    sent: with nowhere to keep what it knows, the client leaves the attempt in flight
-    until its deadline, when the sweep hands it to reconciliation, as for a runtime
-    that died there."""
+    """Cancelled while its tool ran, the caller's task ends at once, while the outcome
+    saying so (the effect unknown) is still on its way: sent on its own, and awaited
+    by the client's close."""
     started = asyncio.Event()
+    stalled = StallsOutcomes()
 
     async def hangs(context: CallContext) -> None:
         started.set()
         await asyncio.Event().wait()
 
     async def journey() -> None:
-        async with AsyncLedgerClient(live_server.url, token) as client:
-            task = asyncio.create_task(invoke(client, hangs))
+        async with AsyncLedgerClient(live_server.url, token, transport=stalled) as client:
+            task = asyncio.create_task(
+                client.invoke(
+                    task_id="task-1", capability="refund.create", arguments={},
+                    idempotency_key="k-1", call=hangs, invocation_id="inv-cancelled",
+                )
+            )  # fmt: skip
             await started.wait()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            # The caller is gone; the outcome has not been answered yet.
+            assert (await client.state("inv-cancelled"))["status"] == "in_flight"
+            stalled.release.set()
 
     run(journey)
-    invocation = Invocation.objects.get()
-    assert (invocation.status, invocation.in_flight_attempt) == ("in_flight", "a1")
-    assert not Outcome.objects.exists()
+    outcome = Outcome.objects.get()
+    assert (outcome.kind, outcome.error_code) == ("post_dispatch_evidence_failed", "CancelledError")
+    assert Invocation.objects.get().status == "reconciliation_required"
 
 
 def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_after_the_next_call(
