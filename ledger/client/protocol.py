@@ -303,8 +303,8 @@ class Protocol:
         (KeyboardInterrupt, SystemExit, an asyncio task's cancellation) is the caller
         abandoning the call: it ends at once, with no request sent while the caller
         waits to stop. What is known (that the effect is unknown, or the outcome that
-        was being sent) is kept in the spool for the next delivery, or, without one,
-        sent on its own (`Leave`). Unsent, the attempt stays in flight until its
+        was being sent) is kept in the spool for the next delivery, and sent on its own
+        (`Leave`) by a client that can. Unsent, the attempt stays in flight until its
         deadline, when the ledger's sweep hands it to reconciliation, as it does when a
         runtime dies mid-call."""
         path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
@@ -378,8 +378,10 @@ class Protocol:
 
     def _abandoned(self, record: Record) -> Steps[None]:
         """What is known of a call its caller abandoned, without a request the caller
-        would wait for: kept in the spool, or else sent on its own."""
-        yield Keep(record) if self.spooled else Leave(record)
+        would wait for: kept in the spool, in case it is lost, and sent on its own."""
+        if self.spooled:
+            yield Keep(record)
+        yield Leave(record)
 
     def _kept(
         self,

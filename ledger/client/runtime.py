@@ -261,10 +261,9 @@ class AsyncLedgerClient:
 
     One client serves any number of invocations at once on its loop. A task cancelled
     while its tool runs (by `asyncio.timeout` around `invoke`, say) ends without
-    waiting for the ledger: the outcome saying so is spooled, or without a spool sent
-    in a task of its own, which `aclose` waits for. To bound a tool's time and have the
-    ledger told at once, bound it inside the tool, whose TimeoutError is then an
-    outcome like any other."""
+    waiting for the ledger: the outcome saying so is sent in a task of its own, which
+    `aclose` waits for (and kept in the spool, if there is one). A TimeoutError raised
+    inside the tool, by a bound on its own wait, is an outcome like any other."""
 
     def __init__(
         self,
@@ -278,6 +277,7 @@ class AsyncLedgerClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.http = httpx.AsyncClient(**_http_options(url, token, timeout), transport=transport)
+        self.timeout = timeout
         self.spool = Spool(spool) if spool else None
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
         self.auto_flush = auto_flush
@@ -286,7 +286,12 @@ class AsyncLedgerClient:
         self._leaving: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
-        await asyncio.gather(*self._leaving, return_exceptions=True)
+        if self._leaving:
+            # Given one request's time, then given up (a spooled one is still kept).
+            _, late = await asyncio.wait(self._leaving, timeout=self.timeout)
+            for sending in late:
+                sending.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         await self.http.aclose()
 
     async def __aenter__(self) -> AsyncLedgerClient:

@@ -282,8 +282,9 @@ def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_after_the_next_
     live_server: Any, token: str, tmp_path: Path
 ) -> None:
     """`asyncio.timeout` around the invocation, as a runtime bounds a tool it cannot
-    bound itself: the task still ends at the timeout, and the spool tells the ledger,
-    with the client's next call it answers, that the call's effect is unknown, and why."""
+    bound itself: the task still ends at the timeout. That the call's effect is unknown,
+    and why, is sent on its own and kept in the spool too, in case that send is lost;
+    the client's next call delivers the spool (a replay)."""
     spool = tmp_path / "spool.jsonl"
 
     async def hangs(context: CallContext) -> None:
@@ -327,12 +328,14 @@ def test_an_outcome_cancelled_on_its_way_is_kept_and_delivered_by_the_next_flush
     live_server: Any, token: str, tmp_path: Path
 ) -> None:
     """The refund was made and its outcome is being sent when the caller's timeout
-    cancels the task: the outcome the client knew is kept, not lost to the sweep."""
+    cancels the task: the outcome the client knew is kept, not lost to the sweep. Sent
+    again on its own, it stalls as well, and the client's close gives it up after one
+    request's time (here 1 s) instead of waiting on it."""
     spool = tmp_path / "spool.jsonl"
 
     async def journey() -> Any:
         stalled = AsyncLedgerClient(
-            live_server.url, token, spool=str(spool), transport=StallsOutcomes()
+            live_server.url, token, spool=str(spool), transport=StallsOutcomes(), timeout=1
         )
         async with stalled:
             with pytest.raises(TimeoutError):
