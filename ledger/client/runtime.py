@@ -431,4 +431,7 @@ class AsyncLedgerClient:
     async def _left(self, record: Record) -> None:
         why = await self._run(self.protocol.delivered(record))
         if why is not None:
-            log.warning("outcome of an abandoned call not recorded: %s %s", record.path, why)
+            kept = "kept in the spool" if self.spool else "no spool configured"
+            log.warning(
+                "outcome of an abandoned call not recorded (%s): %s %s", kept, record.path, why
+            )

@@ -397,3 +397,38 @@ def test_a_flush_abandoned_by_its_caller_lets_go_of_the_spool(
 
     run(journey)
     assert [record.body for record in spool.pending()] == [{"kind": "won"}, {"kind": "won"}]
+
+
+class RefusesOutcomes(httpx.AsyncHTTPTransport):
+    """The ledger cannot be reached for outcome reports; every other request goes to it."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/outcome"):
+            raise httpx.ConnectError("connection refused", request=request)
+        return await super().handle_async_request(request)
+
+
+def test_an_abandoned_calls_outcome_lost_on_its_way_stays_in_the_spool(
+    live_server: Any, token: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The outcome sent on its own after a cancellation does not reach the ledger: the
+    spool still holds it, and the log says so."""
+    spool = Spool(tmp_path / "spool.jsonl")
+
+    async def hangs(context: CallContext) -> None:
+        await asyncio.Event().wait()
+
+    async def journey() -> None:
+        async with AsyncLedgerClient(
+            live_server.url, token, spool=str(spool.path), transport=RefusesOutcomes(), retries=0
+        ) as client:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1):
+                    await invoke(client, hangs)
+
+    run(journey)
+    assert [record.body["error"]["code"] for record in spool.pending()] == ["CancelledError"]
+    assert not Outcome.objects.exists()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ledger.client"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("outcome of an abandoned call not recorded (kept in the spool)")
