@@ -116,8 +116,8 @@ class Keep:
 
 @dataclass(frozen=True)
 class Leave:
-    """An outcome sent on its own, after the caller has gone: nobody waits for it. A
-    client that has nothing to send it with after its caller (a blocking one) drops it."""
+    """An outcome sent on its own, after the caller has gone: nobody waits for it (a
+    task of the async client's, a thread of the blocking one's)."""
 
     record: Record
 
@@ -303,10 +303,10 @@ class Protocol:
         (KeyboardInterrupt, SystemExit, an asyncio task's cancellation) is the caller
         abandoning the call: it ends at once, with no request sent while the caller
         waits to stop. What is known (that the effect is unknown, or the outcome that
-        was being sent) is kept in the spool for the next delivery, and sent on its own
-        (`Leave`) by a client that can. Unsent, the attempt stays in flight until its
-        deadline, when the ledger's sweep hands it to reconciliation, as it does when a
-        runtime dies mid-call."""
+        was being sent) is sent on its own (`Leave`), and kept in the spool for the next
+        delivery in case that send is lost. Lost and unspooled, the attempt stays in
+        flight until its deadline, when the ledger's sweep hands it to reconciliation,
+        as it does when a runtime dies mid-call."""
         path = f"/api/v1/invocations/{context.invocation_id}/attempts/{context.attempt_id}/outcome"
         value, error = None, ""
         outcome: dict[str, Any]

@@ -33,6 +33,7 @@ Depends on httpx only (no Django): this package can be copied or vendored alone.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
 import logging
 import threading
@@ -106,6 +107,31 @@ def _report_delivery(report: FlushReport) -> None:
     )  # fmt: skip
 
 
+def _report_left(record: Record, why: str | Refused | None, spooled: bool) -> None:
+    """The end of an abandoned call's outcome sent on its own (`Leave`): logged only
+    when the ledger did not record it, since nobody waits for its answer."""
+    if why is not None:
+        kept = "kept in the spool" if spooled else "no spool configured"
+        log.warning("outcome of an abandoned call not recorded (%s): %s %s", kept, record.path, why)
+
+
+# Blocking clients' threads still sending the outcome of an abandoned call (`Leave`),
+# each with its client's timeout: a runtime stopped by Ctrl-C exits once they are done,
+# or once that time has passed, whether or not it closed its client.
+_leaving_at_exit: dict[threading.Thread, float] = {}
+
+
+def _wait_for_leaving(leaving: Mapping[threading.Thread, float]) -> None:
+    """Each sender given its client's timeout from now, at most (a spooled outcome
+    stays kept if it is cut short)."""
+    started = time.monotonic()
+    for thread, seconds in list(leaving.items()):
+        thread.join(max(0.0, started + seconds - time.monotonic()))
+
+
+atexit.register(_wait_for_leaving, _leaving_at_exit)
+
+
 def _http_options(url: str, token: str, timeout: float) -> dict[str, Any]:
     return {
         "base_url": url,
@@ -128,14 +154,24 @@ class LedgerClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.http = httpx.Client(**_http_options(url, token, timeout), transport=transport)
+        self.timeout = timeout
         self.spool = Spool(spool) if spool else None
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
         self.auto_flush = auto_flush
         # Held by the thread delivering after its call: the others go on, not queue.
         self._delivering = threading.Lock()
+        # Outcomes of abandoned calls on their way (`Leave`), waited for by close.
+        self._leaving: dict[threading.Thread, float] = {}
 
     def close(self) -> None:
+        _wait_for_leaving(self._leaving)
         self.http.close()
+
+    def __enter__(self) -> LedgerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """The ledger's typed answer (status and JSON body), resending what it did not
@@ -248,9 +284,26 @@ class LedgerClient:
             case Keep(record):
                 assert self.spool is not None
                 self.spool.append(record)
-            case Leave():
-                pass  # a blocking client has nothing to send it with once its caller is gone
+            case Leave(record):
+                # A thread of its own: the caller stops now, and the process waits for
+                # the send (one request's time at most) as it exits.
+                sending = threading.Thread(
+                    target=self._left, args=(record,), name="ledger-abandoned-outcome",
+                    daemon=True,
+                )  # fmt: skip
+                self._leaving[sending] = _leaving_at_exit[sending] = self.timeout
+                sending.start()
         return None
+
+    def _left(self, record: Record) -> None:
+        try:
+            _report_left(record, self._run(self.protocol.delivered(record)), bool(self.spool))
+        except Exception:  # a client closed under it, say: the log tells, the spool keeps
+            log.exception("outcome of an abandoned call not sent: %s", record.path)
+        finally:
+            current = threading.current_thread()
+            self._leaving.pop(current, None)
+            _leaving_at_exit.pop(current, None)
 
 
 class AsyncLedgerClient:
@@ -429,9 +482,4 @@ class AsyncLedgerClient:
         return None
 
     async def _left(self, record: Record) -> None:
-        why = await self._run(self.protocol.delivered(record))
-        if why is not None:
-            kept = "kept in the spool" if self.spool else "no spool configured"
-            log.warning(
-                "outcome of an abandoned call not recorded (%s): %s %s", kept, record.path, why
-            )
+        _report_left(record, await self._run(self.protocol.delivered(record)), bool(self.spool))

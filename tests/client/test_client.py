@@ -341,29 +341,35 @@ def test_a_second_attempt_while_one_is_in_flight_is_refused_locally(
 
 
 INTERRUPTED_SCRIPT = """
-import signal, sys
+import signal, sys, time
+import httpx
 from pathlib import Path
 from ledger.client import LedgerClient
-url, token, spool, marker = sys.argv[1:5]
+url, token, spool, marker, outcome_delay = sys.argv[1:6]
+class SlowOutcomes(httpx.HTTPTransport):
+    def handle_request(self, request):
+        if request.url.path.endswith("/outcome"):
+            time.sleep(float(outcome_delay))  # a ledger slow to answer, as under load
+        return super().handle_request(request)
 def refund(context):
     Path(marker).write_text("dispatched")
     signal.pause()  # the payments system never answers, until the operator presses Ctrl-C
-LedgerClient(url, token, spool=spool).invoke(
+LedgerClient(url, token, spool=spool or None, transport=SlowOutcomes()).invoke(
     task_id="t", capability="refund.create", arguments={}, idempotency_key="k-int", call=refund
 )
 """
 
 
-def test_a_call_interrupted_by_ctrl_c_is_kept_as_unknown_and_delivered_by_the_next_flush(
-    live_server: Any, token: str, tmp_path: Path
-) -> None:
-    """SIGINT while the tool waits on the business system: the runtime stops at once,
-    sending nothing, but its spool says the call's effect is unknown, so the ledger
-    learns why at the next flush instead of at the attempt's deadline."""
-    spool, marker = tmp_path / "spool.jsonl", tmp_path / "marker"
+def interrupt_runtime_mid_call(
+    url: str, token: str, spool: str, tmp_path: Path, outcome_delay: float = 0
+) -> str:
+    """A runtime process, its tool waiting on the business system, sent SIGINT (Ctrl-C):
+    what it printed as it stopped. Its client is never closed, as in most scripts."""
+    marker = tmp_path / "marker"
     marker.write_text("")
     runtime = subprocess.Popen(
-        [sys.executable, "-c", INTERRUPTED_SCRIPT, live_server.url, token, str(spool), str(marker)],
+        [sys.executable, "-c", INTERRUPTED_SCRIPT, url, token, spool, str(marker),
+         str(outcome_delay)],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -372,15 +378,16 @@ def test_a_call_interrupted_by_ctrl_c_is_kept_as_unknown_and_delivered_by_the_ne
         _, stderr = runtime.communicate(timeout=20)
     finally:
         runtime.kill()
-    assert "KeyboardInterrupt" in stderr
-    assert Invocation.objects.get().status == "in_flight"
-    report = LedgerClient(live_server.url, token, spool=str(spool)).flush()
-    assert (report.delivered, report.remaining) == (1, 0)
+    return stderr
+
+
+def assert_recorded_as_interrupted() -> None:
     outcome = Outcome.objects.get()
     assert (outcome.kind, outcome.error_code) == (
         "post_dispatch_evidence_failed",
         "KeyboardInterrupt",
     )
+    assert "stopped waiting for the tool" in outcome.error_message
     invocation = Invocation.objects.get()
     assert (invocation.status, invocation.cause) == (
         "reconciliation_required",
@@ -388,15 +395,91 @@ def test_a_call_interrupted_by_ctrl_c_is_kept_as_unknown_and_delivered_by_the_ne
     )
 
 
+def test_a_call_interrupted_by_ctrl_c_is_told_to_the_ledger_as_the_runtime_exits(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """SIGINT while the tool waits on the business system: the runtime stops, and
+    before its process exits, the ledger has learnt that the call's effect is unknown
+    and why, instead of flagging the attempt at its deadline. The exit waits for that
+    answer even when it is slow (here 1 s; the client's timeout is 5)."""
+    stderr = interrupt_runtime_mid_call(live_server.url, token, "", tmp_path, outcome_delay=1)
+    assert "KeyboardInterrupt" in stderr
+    assert_recorded_as_interrupted()
+
+
+def test_a_call_interrupted_by_ctrl_c_is_kept_in_the_spool_as_well(
+    live_server: Any, token: str, tmp_path: Path
+) -> None:
+    """With a spool, what the interrupted call told the ledger is kept there too, in
+    case that send was lost; the next flush delivers it again, harmlessly."""
+    spool = tmp_path / "spool.jsonl"
+    stderr = interrupt_runtime_mid_call(live_server.url, token, str(spool), tmp_path)
+    assert "KeyboardInterrupt" in stderr
+    assert_recorded_as_interrupted()
+    report = LedgerClient(live_server.url, token, spool=str(spool)).flush()
+    assert (report.delivered, report.remaining) == (1, 0)
+    assert Outcome.objects.count() == 1
+
+
+class StallsOutcomes(httpx.HTTPTransport):
+    """The ledger does not answer an outcome report, as behind a stalled proxy, until
+    the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/outcome"):
+            self.release.wait(timeout=60)
+        return super().handle_request(request)
+
+
+def test_closing_a_client_gives_an_interrupted_calls_outcome_one_requests_time(
+    live_server: Any, token: str
+) -> None:
+    """The outcome of an interrupted call stalls on its way: `close` (and so the
+    process's exit) waits for it one request's time, then gives it up, so a stalled
+    ledger never holds a stopped runtime. Released later, it is still recorded."""
+    stalled = StallsOutcomes()
+    with LedgerClient(live_server.url, token, transport=stalled, timeout=0.5) as client:
+        with pytest.raises(KeyboardInterrupt):
+            invoke(client, Tool(KeyboardInterrupt()))
+        [sending] = client._leaving
+    assert sending.is_alive()  # closed while the send still waited on the ledger
+    stalled.release.set()
+    sending.join(timeout=20)
+    assert Outcome.objects.get().error_code == "KeyboardInterrupt"
+
+
+def test_an_interrupted_calls_outcome_lost_on_its_way_is_logged(
+    live_server: Any, token: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    refuses_outcomes = InterposedTransport(refuse_outcome_reports)
+    with (
+        LedgerClient(live_server.url, token, transport=refuses_outcomes, retries=0) as client,
+        pytest.raises(KeyboardInterrupt),
+    ):
+        invoke(client, Tool(KeyboardInterrupt()))
+    assert not Outcome.objects.exists()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ledger.client"]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("outcome of an abandoned call not recorded (no spool configured)")
+
+
 def test_an_attempt_admitted_before_is_never_called_again(live_server: Any, token: str) -> None:
     """A runtime that died after dispatch and re-invokes under the same invocation_id
     gets a replayed admission (200): the tool may have run, so it is not called again."""
-    client = LedgerClient(live_server.url, token)
-    crashed = Tool(KeyboardInterrupt())  # the process dies after dispatch, before its outcome
-    with pytest.raises(KeyboardInterrupt):
-        invoke(client, crashed, invocation_id="inv-restarted")
+    # The process dies after dispatch, its outcome never sent.
+    with LedgerClient(
+        live_server.url, token, transport=InterposedTransport(refuse_outcome_reports), retries=0
+    ) as dying:
+        crashed = Tool(KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            invoke(dying, crashed, invocation_id="inv-restarted")
     assert len(crashed.calls) == 1
 
+    client = LedgerClient(live_server.url, token)
     tool = Tool()
     again = invoke(client, tool, invocation_id="inv-restarted")
     assert tool.calls == []
@@ -419,6 +502,12 @@ class InterposedTransport(httpx.HTTPTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         answer = self.interpose(request)
         return answer if answer is not None else super().handle_request(request)
+
+
+def refuse_outcome_reports(request: httpx.Request) -> None:
+    """The ledger cannot be reached for outcome reports; every other request goes to it."""
+    if request.url.path.endswith("/outcome"):
+        raise httpx.ConnectError("connection refused", request=request)
 
 
 def test_of_two_processes_retrying_at_once_only_the_admitted_one_calls(
