@@ -22,10 +22,13 @@ from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 from django.db import connection
 
+from ledger import acc
+from ledger.capabilities import capability_register
 from ledger.client import (
     BusinessFailure,
     CallContext,
     LedgerClient,
+    LedgerRequestError,
     NotDispatched,
 )
 from ledger.client.spool import Record, Spool
@@ -67,6 +70,33 @@ def test_a_success_is_recorded_with_its_reference(live_server: Any, token: str) 
     assert (result.value, result.business_reference) == ({"id": "RF-1"}, "RF-1")
     assert tool.calls[0].idempotency_key == "refund-SO-1"
     assert Outcome.objects.get().business_reference == "RF-1"
+
+
+def test_the_subject_and_approval_evidence_go_with_the_intent(live_server: Any, token: str) -> None:
+    """A capability that names its subject and asks for approval (payroll changes,
+    say): without a subject the intent is refused before the tool is called; without
+    approval evidence it is recorded, flagged `approval_missing`; with both, kept."""
+    declaration = {
+        "version": 1, "enabled": True, "scope": "refund.create", "risk": {"level": "high"},
+        "subject": {"required": True}, "approval": {"required": True},
+    }  # fmt: skip
+    capability_register(declaration=acc.parse(declaration), source="tests", actor="user:tests")
+    client = LedgerClient(live_server.url, token)
+    tool = Tool()
+    with pytest.raises(LedgerRequestError) as refused:
+        invoke(client, tool, key="k-1")
+    assert (refused.value.status, refused.value.type) == (422, "subject_required")
+    assert tool.calls == [] and not Invocation.objects.exists()
+
+    unapproved = invoke(client, tool, key="k-2", subject="employee:e-17")
+    assert (unapproved.kind, unapproved.flags) == ("succeeded", ["approval_missing"])
+
+    approval = {"approved_by": "manager:ann", "ticket": "CHG-7"}
+    approved = invoke(client, tool, key="k-3", subject="employee:e-17", approval=approval)
+    assert (approved.kind, approved.flags) == ("succeeded", [])
+    invocation = Invocation.objects.get(invocation_id=approved.invocation_id)
+    assert (invocation.subject, invocation.approval) == ("employee:e-17", approval)
+    assert len(tool.calls) == 2
 
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -629,6 +659,44 @@ def test_after_the_ledger_was_down_a_retry_sends_the_intent_again(
     assert (done.kind, done.attempt_id, done.business_reference) == ("succeeded", "a1", "RF-1")
     assert len(tool.calls) == 1
     assert Invocation.objects.get().invocation_id == down.invocation_id
+
+
+class LosesAdmissionAnswers(httpx.HTTPTransport):
+    """The ledger admits the attempt, and its answer never comes back."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.method == "POST" and request.url.path.endswith("/attempts"):
+            response.close()
+            raise httpx.RemoteProtocolError("closed without an answer", request=request)
+        return response
+
+
+def test_a_retry_whose_admission_went_unanswered_never_calls_the_tool_for_it(
+    live_server: Any, token: str
+) -> None:
+    """Its resends used up, the caller is told nothing was dispatched, which is true: the
+    tool was not called. The next retry asks for the attempt after the one admitted
+    unseen, which the ledger refuses while that one awaits its outcome, so no tool is
+    ever called for an attempt whose admission the client did not see."""
+    client = LedgerClient(live_server.url, token)
+    first = invoke(client, Tool(BusinessFailure("busy", retryable=True)))
+    assert (first.kind, first.retryable) == ("business_failed", True)
+    tool = Tool()
+    unanswered = LedgerClient(live_server.url, token, retries=0, transport=LosesAdmissionAnswers())
+    lost = unanswered.retry(first.invocation_id, tool)
+    assert (lost.kind, lost.next_action) == ("pre_dispatch_rejected", "retry")
+    assert lost.error.startswith("attempt not confirmed: connection closed before the answer")
+    attempts = Invocation.objects.get().attempts.values_list("attempt_id", flat=True)
+    assert sorted(attempts) == ["a1", "a2"]
+    refused = client.retry(first.invocation_id, tool)
+    assert (refused.kind, refused.attempt_id, refused.status) == (
+        "attempt_in_flight",
+        "a3",
+        "in_flight",
+    )
+    assert tool.calls == []
+    assert Invocation.objects.get().attempts.count() == 2
 
 
 def test_an_outcome_whose_answer_is_cut_off_is_sent_again_and_answered(
