@@ -229,6 +229,23 @@ def test_claiming_keeps_two_operators_apart(flagged: str, operator: Client) -> N
     assert "inv-1" not in other.get("/", {"mine": "mine"}).content.decode()
 
 
+def test_the_queue_filters_by_age_and_by_who_is_on_it(
+    api: Api, flagged: str, operator: Client
+) -> None:
+    """inv-1 flagged now and taken by olga; inv-2 flagged two hours ago, nobody on it."""
+    api.intent(invocation_id="inv-2", idempotency_key="refund-SO-2", attempt_id="a1")
+    api.outcome("inv-2", "a1", kind="post_dispatch_evidence_failed")
+    two_hours_ago = timezone.now() - dt.timedelta(hours=2)
+    Invocation.objects.filter(invocation_id="inv-2").update(flagged_at=two_hours_ago)
+    invocation_assign(invocation_id="inv-1", actor="user:olga", take=True)
+    assert sorted(queue_page(operator)[0]) == ["inv-1", "inv-2"]
+    assert queue_page(operator, "older_than_minutes=60") == (["inv-2"], None)
+    assert queue_page(operator, "older_than_minutes=180") == ([], None)
+    assert queue_page(operator, "mine=unclaimed") == (["inv-2"], None)
+    assert queue_page(operator, "mine=mine") == (["inv-1"], None)
+    assert queue_page(person("otto", "operator"), "mine=mine") == ([], None)
+
+
 def test_high_risk_needs_a_second_different_approver(
     api: Api, flagged_high_risk: str, operator: Client
 ) -> None:

@@ -719,6 +719,29 @@ def test_probe_secrets_fill_headers_and_are_never_recorded(
     assert "sk_live_hush" not in str(list(invocation.events.values_list("data", flat=True)))
 
 
+def test_a_probe_whose_secret_is_not_configured_concludes_nothing_and_says_why(
+    api: Api, refunds: Capability, standin: StandInService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deployment that lost a setting: the worker records the probe's run as
+    inconclusive, naming the missing secret, and the invocation waits for its next
+    probe or a person; nothing is asked of the business system without its secret."""
+    flagged(api)
+    perform_refund(standin, "refund-SO-1")
+    config = {**refunds.probe, "headers": {"Authorization": "Bearer {secret:PAYMENTS}"}}
+    Capability.objects.filter(pk=refunds.pk).update(probe=config)
+    with override_settings(LEDGER_PROBE_SECRETS={}):
+        assert reconcile_invocation.run("inv-1") == "recorded"
+    invocation = Invocation.objects.get()
+    assert invocation.status == "reconciliation_required"
+    probe_run = invocation.events.get(kind="probe_run").data
+    assert (probe_run["finding"], probe_run["detail"]) == (
+        "inconclusive",
+        "misconfigured: secret 'PAYMENTS' is not configured",
+    )
+    assert standin.refunds.lookups_started == 0
+    assert "probe misconfigured invocation=inv-1 error=secret 'PAYMENTS'" in caplog.text
+
+
 def test_a_probe_asks_for_json_in_an_encoding_it_reads(api: Api, refunds: Capability) -> None:
     """Its rules read JSON, and a business system may answer by the Accept header; its
     people know the ledger's questions by their User-Agent. A header configured for the
