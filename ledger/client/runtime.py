@@ -296,14 +296,15 @@ class LedgerClient:
         return None
 
     def _left(self, record: Record) -> None:
+        why: str | Refused | None
         try:
-            _report_left(record, self._run(self.protocol.delivered(record)), bool(self.spool))
-        except Exception:  # a client closed under it, say: the log tells, the spool keeps
-            log.exception("outcome of an abandoned call not sent: %s", record.path)
-        finally:
-            current = threading.current_thread()
-            self._leaving.pop(current, None)
-            _leaving_at_exit.pop(current, None)
+            why = self._run(self.protocol.delivered(record))
+        except Exception as exc:  # the client closed under it, after close gave up waiting
+            why = f"{type(exc).__name__}: {exc}"
+        _report_left(record, why, bool(self.spool))  # before the exit stops waiting for it
+        current = threading.current_thread()
+        self._leaving.pop(current, None)
+        _leaving_at_exit.pop(current, None)
 
 
 class AsyncLedgerClient:
