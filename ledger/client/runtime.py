@@ -317,7 +317,11 @@ class AsyncLedgerClient:
     while its tool runs (by `asyncio.timeout` around `invoke`, say) ends without
     waiting for the ledger: the outcome saying so is sent in a task of its own, which
     `aclose` waits for (and kept in the spool, if there is one). A TimeoutError raised
-    inside the tool, by a bound on its own wait, is an outcome like any other."""
+    inside the tool, by a bound on its own wait, is an outcome like any other.
+
+    The spool's automatic delivery runs in a task of its own as well: a call returns
+    as soon as its outcome is recorded, so neither the spool's backlog nor a caller's
+    timeout meant for the call comes between the two."""
 
     def __init__(
         self,
@@ -335,16 +339,19 @@ class AsyncLedgerClient:
         self.spool = Spool(spool) if spool else None
         self.protocol = Protocol(retries=retries, spooled=self.spool is not None)
         self.auto_flush = auto_flush
-        self._delivering = False
-        # Outcomes of abandoned calls on their way (`Leave`), awaited by aclose.
+        # The spool's automatic delivery under way, and the outcomes of abandoned calls
+        # on their way (`Leave`): tasks of their own, which aclose waits for.
+        self._delivering: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
-        if self._leaving:
-            # Given one request's time, then given up (a spooled one is still kept).
-            _, late = await asyncio.wait(self._leaving, timeout=self.timeout)
-            for sending in late:
-                sending.cancel()
+        running = {*self._leaving, *([self._delivering] if self._delivering else [])}
+        if running:
+            # Given one request's time, then given up: a cancelled delivery stops at the
+            # record it was sending, and an abandoned call's spooled outcome is kept.
+            _, late = await asyncio.wait(running, timeout=self.timeout)
+            for task in late:
+                task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
         await self.http.aclose()
 
@@ -383,7 +390,7 @@ class AsyncLedgerClient:
                 invocation_id=invocation_id or f"inv-{uuid.uuid4().hex}",
             )
         )  # fmt: skip
-        await self._deliver_spooled(answered)
+        self._deliver_spooled(answered)
         return answered
 
     async def retry(
@@ -397,7 +404,7 @@ class AsyncLedgerClient:
         """`LedgerClient.retry`, awaited."""
         tool = Tool(call, reference, result)
         answered = await self._run(self.protocol.retried(invocation_id, tool))
-        await self._deliver_spooled(answered)
+        self._deliver_spooled(answered)
         return answered
 
     async def state(self, invocation_id: str) -> dict[str, Any]:
@@ -435,18 +442,21 @@ class AsyncLedgerClient:
             abandoned.set()
             raise
 
-    async def _deliver_spooled(self, answered: InvocationResult) -> None:
-        """`LedgerClient._deliver_spooled`, awaited: one at a time on the loop, so that
-        invocations ending together do not each hold a thread waiting for the spool."""
+    def _deliver_spooled(self, answered: InvocationResult) -> None:
+        """`LedgerClient._deliver_spooled`, in a task of its own that the call does not
+        wait for; one at a time on the loop, so that invocations ending together do not
+        each hold a thread waiting for the spool."""
         if self._delivering or not (self.auto_flush and _delivery_due(self.spool, answered)):
             return
-        self._delivering = True
+        self._delivering = asyncio.create_task(self._deliver())
+
+    async def _deliver(self) -> None:
         try:
             _report_delivery(await self.flush(AUTO_FLUSH_RECORDS))
         except Exception:
             log.exception("spool delivery failed")
         finally:
-            self._delivering = False
+            self._delivering = None
 
     async def _run[T](self, steps: Steps[T]) -> T:
         """`LedgerClient._run`, with each step awaited."""

@@ -370,6 +370,27 @@ def test_invocations_ending_together_deliver_the_spool_once(
     assert slow_deliveries.spool.pending() == []
 
 
+def test_a_call_returns_before_the_spools_delivery_which_aclose_waits_for(
+    live_server: Any, token: str, slow_deliveries: SlowDeliveries
+) -> None:
+    """The spool holds a record, and delivering it is slow (a slow disk): the call
+    that sets its delivery off returns as soon as its own outcome is recorded, so
+    neither the backlog nor a caller's timeout meant for the call comes between them;
+    the delivery goes on in a task of its own, which aclose waits for."""
+
+    async def journey() -> tuple[Any, int]:
+        spool = str(slow_deliveries.spool.path)
+        async with AsyncLedgerClient(live_server.url, token, spool=spool) as client:
+            result = await invoke(client, AsyncTool())
+            return result, len(slow_deliveries.spool.pending())
+
+    result, pending_when_it_returned = run(journey)
+    assert (result.kind, result.status) == ("succeeded", "succeeded")
+    assert pending_when_it_returned == 1
+    assert slow_deliveries.count == 1
+    assert slow_deliveries.spool.pending() == []
+
+
 def test_a_flush_abandoned_by_its_caller_lets_go_of_the_spool(
     live_server: Any, token: str, tmp_path: Path
 ) -> None:
