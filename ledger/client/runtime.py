@@ -493,4 +493,14 @@ class AsyncLedgerClient:
         return None
 
     async def _left(self, record: Record) -> None:
-        _report_left(record, await self._run(self.protocol.delivered(record)), bool(self.spool))
+        why: str | Refused | None
+        try:
+            why = await self._run(self.protocol.delivered(record))
+        except asyncio.CancelledError:
+            # By aclose, after one request's time, or by the loop's shutdown (a client
+            # never closed): the log still tells that the ledger may not have it.
+            _report_left(record, "cancelled before the ledger answered", bool(self.spool))
+            raise
+        except Exception as exc:  # the client closed under it, as in LedgerClient._left
+            why = f"{type(exc).__name__}: {exc}"
+        _report_left(record, why, bool(self.spool))

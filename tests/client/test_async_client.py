@@ -325,12 +325,12 @@ class StallsOutcomes(httpx.AsyncHTTPTransport):
 
 
 def test_an_outcome_cancelled_on_its_way_is_kept_and_delivered_by_the_next_flush(
-    live_server: Any, token: str, tmp_path: Path
+    live_server: Any, token: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The refund was made and its outcome is being sent when the caller's timeout
     cancels the task: the outcome the client knew is kept, not lost to the sweep. Sent
     again on its own, it stalls as well, and the client's close gives it up after one
-    request's time (here 1 s) instead of waiting on it."""
+    request's time (here 1 s) instead of waiting on it, saying so in the log."""
     spool = tmp_path / "spool.jsonl"
 
     async def journey() -> Any:
@@ -349,6 +349,12 @@ def test_an_outcome_cancelled_on_its_way_is_kept_and_delivered_by_the_next_flush
     outcome = Outcome.objects.get()
     assert (outcome.kind, outcome.business_reference) == ("succeeded", "RF-1")
     assert Invocation.objects.get().status == "succeeded"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "ledger.client"]
+    assert warnings == [
+        f"outcome of an abandoned call not recorded (kept in the spool): "
+        f"/api/v1/invocations/{outcome.attempt.invocation.invocation_id}/attempts/a1/outcome "
+        "cancelled before the ledger answered"
+    ]
 
 
 def test_invocations_ending_together_deliver_the_spool_once(
