@@ -232,17 +232,27 @@ class LedgerClient:
         later flush with the right token delivers them. A record refused as invalid
         (400, 413, 422) can never be taken and is set aside in `<spool>.refused`.
         """
+        return self._flush(most)
+
+    def _flush(self, most: int | None, until: float | None = None) -> FlushReport:
         if self.spool is None:
             return FlushReport()
-        return self.spool.deliver(lambda record: self._run(self.protocol.delivered(record)), most)
+
+        def send(record: Record) -> str | Refused | None:
+            return self._run(self.protocol.delivered(record))
+
+        return self.spool.deliver(send, most, until)
 
     def _deliver_spooled(self, answered: InvocationResult) -> None:
+        """The spool delivered after a call, which waits for it: 100 records at most,
+        and none begun once the client's timeout has passed, so a slow ledger delays
+        the call's answer by about one request's time, not a hundred."""
         if not (self.auto_flush and _delivery_due(self.spool, answered)):
             return
         if not self._delivering.acquire(blocking=False):
             return
         try:
-            _report_delivery(self.flush(AUTO_FLUSH_RECORDS))
+            _report_delivery(self._flush(AUTO_FLUSH_RECORDS, time.monotonic() + self.timeout))
         except Exception:  # the call's own result stands; the records stay spooled
             log.exception("spool delivery failed")
         finally:

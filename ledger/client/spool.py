@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,11 +110,15 @@ class Spool:
             return False
 
     def deliver(
-        self, send: Callable[[Record], str | Refused | None], most: int | None = None
+        self,
+        send: Callable[[Record], str | Refused | None],
+        most: int | None = None,
+        until: float | None = None,
     ) -> FlushReport:
-        """Send each record in order, or the first `most`. `send` returns None when the
-        ledger recorded the record (or had it already), `Refused` when it never will, or
-        a reason to stop and keep this record and the ones after it."""
+        """Send each record in order, or the first `most`, and after the first only
+        before `until` (a `time.monotonic()`). `send` returns None when the ledger
+        recorded the record (or had it already), `Refused` when it never will, or a
+        reason to stop and keep this record and the ones after it."""
         report = FlushReport()
         with self._locked():
             records, damaged = self._read()
@@ -123,7 +128,7 @@ class Spool:
             kept: list[Record] = []
             refused: list[str] = []
             for index, record in enumerate(records):
-                if index == most:
+                if index == most or (index and until is not None and time.monotonic() >= until):
                     kept = records[index:]
                     break
                 answer = send(record)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -885,6 +886,37 @@ def test_a_call_delivers_a_bounded_part_of_a_long_spool(
     ]
     invoke(client, Tool(), key="k-2")
     assert spool.pending() == []
+
+
+def test_a_slow_ledger_delays_a_call_by_one_requests_time_of_delivery(
+    live_server: Any, token: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each spooled outcome takes the ledger 0.3 s to answer and the client's timeout
+    is 0.5 s: after its own outcome, the call delivers no record begun past its timeout
+    (one or two of five, by the machine's speed), and leaves the rest to the next call,
+    without a warning."""
+
+    def slow_deliveries(request: httpx.Request) -> None:
+        if "/inv-spooled-" in request.url.path:
+            time.sleep(0.3)  # fault pause: the ledger slow to answer
+
+    spool = Spool(tmp_path / "spool.jsonl")
+    for n in range(5):
+        LedgerClient(live_server.url, token).request("POST", "/api/v1/intents", {
+            "invocation_id": f"inv-spooled-{n}", "task_id": "t", "capability": "refund.create",
+            "arguments": {}, "idempotency_key": f"k-spooled-{n}", "attempt_id": "a1",
+        })  # fmt: skip
+        path = f"/api/v1/invocations/inv-spooled-{n}/attempts/a1/outcome"
+        spool.append(Record(path, {"kind": "succeeded"}))
+    client = LedgerClient(
+        live_server.url, token, spool=str(spool.path), timeout=0.5,
+        transport=InterposedTransport(slow_deliveries),
+    )  # fmt: skip
+    caplog.set_level("INFO", logger="ledger.client")
+    assert invoke(client, Tool(), key="k-1").kind == "succeeded"
+    remaining = len(spool.pending())
+    assert 3 <= remaining <= 4
+    assert [r.levelname for r in caplog.records if r.name == "ledger.client"] == ["INFO"]
 
 
 def test_an_automatic_delivery_never_fails_the_call_it_follows(

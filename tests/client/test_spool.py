@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from ledger.client.spool import Record, Spool
@@ -40,3 +41,18 @@ def test_undelivered_records_stay_in_order(tmp_path: Path) -> None:
     report = spool.deliver(ledger_down_at_the_second)
     assert (sent, report.stopped_by, report.remaining) == ([outcome(1)], "ledger down", 2)
     assert spool.pending() == [outcome(2), outcome(3)]
+
+
+def test_a_delivery_begins_no_record_after_its_time_but_always_the_first(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool.jsonl")
+    for n in (1, 2, 3):
+        spool.append(outcome(n))
+    sent: list[Record] = []
+    report = spool.deliver(lambda record: sent.append(record), until=time.monotonic() - 1)
+    assert (sent, report.delivered, report.remaining, report.stopped_by) == (
+        [outcome(1)], 1, 2, None,
+    )  # fmt: skip
+    assert spool.pending() == [outcome(2), outcome(3)]
+    report = spool.deliver(lambda record: sent.append(record), until=time.monotonic() + 60)
+    assert (report.delivered, report.remaining) == (2, 0)
+    assert sent == [outcome(1), outcome(2), outcome(3)]
