@@ -33,7 +33,14 @@ DECLARED_FIELDS = (
     "audit_sensitive",
     "timeout_ms",
 )
-SETTINGS = ("idempotency_verified", "max_attempts", "grace_ms", "redact_paths", "probe")
+SETTINGS = (
+    "idempotency_verified",
+    "max_attempts",
+    "grace_ms",
+    "redact_paths",
+    "probe",
+    "rate_limit_enforced",
+)
 
 
 class Registered(StrEnum):

@@ -583,7 +583,9 @@ def _check_capabilities(report: Report) -> None:
             # row it did not make is one with nothing to govern by.
             else {"version": 0, "declaration": chain.digest({}), **capabilities.UNDECLARED_FIELDS}
         )
-        recorded_row.update(settings.get(capability.scope, capabilities.DEFAULT_SETTINGS))
+        # A change recorded before a setting existed left that setting at its default.
+        recorded_row.update(capabilities.DEFAULT_SETTINGS)
+        recorded_row.update(settings.get(capability.scope, {}))
         row = {
             "version": capability.version,
             "declaration": chain.digest(capability.declaration),

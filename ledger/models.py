@@ -54,6 +54,14 @@ class Capability(models.Model):
     timeout_ms = models.PositiveIntegerField(null=True, blank=True)
     grace_ms = models.PositiveIntegerField(null=True, blank=True)
     max_attempts = models.PositiveSmallIntegerField(null=True, blank=True)
+    # Admin-set: an attempt beyond the declared `execution.rate_limit` is refused at
+    # admission (429), not only flagged by the rate watch (`ledger.rate_limits`).
+    rate_limit_enforced = models.BooleanField(
+        default=False,
+        db_default=False,
+        help_text="Refuse an attempt beyond the declared execution.rate_limit (429, nothing "
+        "recorded), instead of admitting it and flagging its invocation rate_limit_exceeded.",
+    )
     # Argument paths (dotted) masked in the stored copy, on top of secret-looking keys.
     redact_paths = ArrayField(models.CharField(max_length=200), default=list, blank=True)
     # How reconciliation asks the business system what happened (README: probes).
@@ -872,6 +880,27 @@ class RateWatch(models.Model):
 
     def __str__(self) -> str:
         return f"rate watch of {self.scope} through #{self.through_sequence}"
+
+
+class RateAdmission(models.Model):
+    """An attempt admitted under a capability whose declared rate limit the ledger
+    enforces (`Capability.rate_limit_enforced`): what the next admission of the
+    capability counts, within its window, under the capability's lock.
+
+    Not evidence (the attempt and its `attempt_admitted` event are): rows older than
+    two windows are deleted as new ones are written.
+    """
+
+    scope = models.CharField(max_length=160)
+    admitted_at = models.DateTimeField()
+    invocation_id = models.CharField(max_length=128)
+    attempt_id = models.CharField(max_length=128)
+
+    class Meta:
+        indexes = [models.Index(fields=["scope", "admitted_at"], name="rate_admission_window")]
+
+    def __str__(self) -> str:
+        return f"{self.scope} {self.invocation_id}/{self.attempt_id} at {self.admitted_at}"
 
 
 class ReferenceWatch(models.Model):

@@ -1,15 +1,17 @@
 """The rate-limit watch: attempts admitted beyond a capability's declared rate.
 
-ACC v1 lets a capability declare `execution.rate_limit` (`count` per `window`). The
-ledger does not refuse an admission for it: counting admissions at admission time
-would serialize every admission of the capability on the one path kept to a single
-statement. Instead beat's task reads the events the sealer has numbered since it last
-read, and each attempt admitted when `count` others of the same capability had been
-admitted within the `window` before it (a sliding window, by the ledger's clock, across
-every runtime: the limit is the business system's) flags its invocation
-`rate_limit_exceeded`, with an event saying which attempt and how many were admitted
-in that window. Only admissions since the declaration that set the limit was
-registered are judged or counted. Compliance finds the flagged invocations by the flag.
+ACC v1 lets a capability declare `execution.rate_limit` (`count` per `window`). By
+default the ledger does not refuse an admission for it: counting admissions at
+admission time serializes every admission of the capability, on the one path kept to
+a single statement (for a capability whose `rate_limit_enforced` setting is on, it
+does: `ledger.rate_enforcement`). Instead beat's task reads the events the sealer has
+numbered since it last read, and each attempt admitted when `count` others of the
+same capability had been admitted within the `window` before it (a sliding window, by
+the ledger's clock, across every runtime: the limit is the business system's) flags
+its invocation `rate_limit_exceeded`, with an event saying which attempt and how many
+were admitted in that window. Only admissions since the declaration that set the limit
+was registered are judged or counted. Compliance finds the flagged invocations by the
+flag.
 
 The watch follows the seal sequence, so each committed admission is judged once, and
 its cursor moves in the transaction that records what it found: a run killed halfway
@@ -22,7 +24,6 @@ import bisect
 import dataclasses
 import datetime as dt
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from ledger.models import (
     Seal,
     SealedEvent,
 )
+from ledger.rate_enforcement import RateLimit
 from ledger.watches import Entry
 
 log = logging.getLogger(__name__)
@@ -50,33 +52,6 @@ WATCH = "ledger:rate_watch"
 # A span of sequence numbers rather than a LIMIT on the rows found, because a LIMIT let
 # PostgreSQL read the whole rest of the range, and sort it, for each batch it returned.
 BATCH = 100_000
-
-WINDOW = re.compile(r"^([1-9][0-9]*)([smhd])$")
-UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
-
-
-@dataclass(frozen=True)
-class RateLimit:
-    count: int
-    window: dt.timedelta
-    declared: Mapping[str, Any]
-    # When the declaration that set it was registered.
-    since: dt.datetime | None = None
-
-    @classmethod
-    def declared_by(cls, declaration: Mapping[str, Any]) -> RateLimit | None:
-        """The rate limit an ACC declaration sets, or None. Declarations are valid
-        against the schema when registered, which fixes the shape read here."""
-        execution = declaration.get("execution")
-        declared = execution.get("rate_limit") if isinstance(execution, Mapping) else None
-        if not isinstance(declared, Mapping):
-            return None
-        match = WINDOW.match(str(declared.get("window", "")))
-        count = declared.get("count")
-        if match is None or type(count) is not int or count < 1:
-            return None
-        window = dt.timedelta(**{UNITS[match[2]]: int(match[1])})
-        return cls(count=count, window=window, declared=dict(declared))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from django.db import transaction
 from django.db.models import Max, OuterRef, QuerySet, Subquery
 from django.utils import timezone
 
-from ledger import chain, policy, store
+from ledger import chain, policy, rate_enforcement, store
 from ledger.capabilities import approval_needed
 from ledger.models import (
     HAS_BUSINESS_REFERENCE,
@@ -33,6 +33,7 @@ from ledger.models import (
     Event,
     Invocation,
     Outcome,
+    RateAdmission,
     Runtime,
 )
 
@@ -214,6 +215,10 @@ class _Work:
     unnamed: set[str] = field(default_factory=set)
     # Off only for restore_projection, which loads a row that disagrees to put it back.
     checks_projection: bool = True
+    # What the enforced rate limits of the unit's capabilities leave it, by scope, and
+    # the admissions it made under them (`ledger.rate_enforcement`).
+    rate_rooms: dict[str, rate_enforcement.Room] = field(default_factory=dict)
+    rate_admitted: list[RateAdmission] = field(default_factory=list)
 
     # Loading ---------------------------------------------------------------
 
@@ -434,6 +439,21 @@ def _deadline(invocation: Invocation, now: dt.datetime) -> dt.datetime:
     return now + dt.timedelta(milliseconds=invocation.timeout_ms + invocation.grace_ms)
 
 
+def _within_rate_limit(work: _Work, scope: str) -> None:
+    """Refuse an admission that the capability's enforced rate limit has no room for:
+    429, nothing changed, with when to ask again."""
+    room = work.rate_rooms.get(scope)
+    if room is not None and room.full():
+        count, window = room.limit.declared["count"], room.limit.declared["window"]
+        raise LedgerError(
+            "rate_limited",
+            f"{scope} admits at most {count} attempts per {window}, across every runtime; "
+            "nothing was recorded: send the same request again after retry_after_seconds.",
+            status=429,
+            details=room.refusal(work.now),
+        )
+
+
 def _admit(work: _Work, invocation: Invocation, attempt_id: str, actor: str) -> bool:
     """Admit `attempt_id`; False when it was already admitted (a replay)."""
     if attempt_id in work.attempts[invocation.invocation_id]:
@@ -446,6 +466,7 @@ def _admit(work: _Work, invocation: Invocation, attempt_id: str, actor: str) -> 
             refused.message,
             details={"state": typed_state(invocation), "attempt_id": attempt_id},
         ) from None
+    _within_rate_limit(work, invocation.capability_scope)
     invocation.apply_state(state)
     invocation.deadline_at = _deadline(invocation, work.now)
     attempt = store.NewAttempt(
@@ -457,6 +478,16 @@ def _admit(work: _Work, invocation: Invocation, attempt_id: str, actor: str) -> 
     )
     work.attempts[invocation.invocation_id][attempt_id] = attempt
     work.new_attempts.append(attempt)
+    if room := work.rate_rooms.get(invocation.capability_scope):
+        room.take(work.now)
+        work.rate_admitted.append(
+            RateAdmission(
+                scope=room.scope,
+                admitted_at=work.now,
+                invocation_id=invocation.invocation_id,
+                attempt_id=attempt_id,
+            )
+        )
     work.event(
         invocation,
         "attempt_admitted",
@@ -547,6 +578,8 @@ def _apply_intent(work: _Work, item: IntentInput) -> Applied:
             details=details,
         )
 
+    if item.attempt_id:  # refused before anything of the intent is recorded
+        _within_rate_limit(work, item.capability)
     capability = work.capabilities.get(item.capability)
     flags = _governance(item, capability)
     hints = capability.hints() if capability else policy.CONSERVATIVE_HINTS
@@ -825,16 +858,47 @@ def _apply_once(
         work.assume_new(known)
     else:
         work.load_items(items)
+    limits = _enforced_rate_limits(work, items)
+    if not limits:
+        return _applied(work, items, assumed_new=known is not None)
+    with transaction.atomic():
+        work.rate_rooms = rate_enforcement.rooms(limits, work.now)
+        results = _applied(work, items, assumed_new=known is not None)
+        rate_enforcement.record_admissions(work.rate_admitted, work.rate_rooms)
+        return results
+
+
+def _applied(work: _Work, items: Sequence[EvidenceInput], *, assumed_new: bool) -> list[ItemResult]:
     results: list[ItemResult] = []
     for item in items:
         try:
             results.append(APPLY[type(item)](work, item))  # type: ignore[operator]
         except LedgerError as error:
             results.append(error)
-    if known is not None and any(isinstance(result, LedgerError) for result in results):
+    if assumed_new and any(isinstance(result, LedgerError) for result in results):
         raise _ReadFirst
     work.flush()
     return results
+
+
+def _enforced_rate_limits(
+    work: _Work, items: Sequence[EvidenceInput]
+) -> dict[str, rate_enforcement.RateLimit]:
+    """The enforced rate limits of the capabilities under which these items may admit
+    an attempt: an intent's with its first attempt, and an attempt's invocation's (read
+    only when the unit holds attempts: retries, not the intent-and-outcome path)."""
+    scopes = {
+        item.capability for item in items if isinstance(item, IntentInput) and item.attempt_id
+    }
+    capabilities = [work.capabilities.get(scope) for scope in scopes]
+    retried = {
+        work.invocations[item.invocation_id].capability_scope
+        for item in items
+        if isinstance(item, AttemptInput) and item.invocation_id in work.invocations
+    } - scopes
+    if retried:
+        capabilities += Capability.objects.filter(scope__in=retried, rate_limit_enforced=True)
+    return rate_enforcement.enforced_limits(capabilities)
 
 
 def _known_capabilities_of_new_intents(

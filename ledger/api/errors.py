@@ -55,7 +55,10 @@ TYPED = [
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, LedgerError):
-        return Response(error_body(exc.type, exc.message, exc.details), status=exc.status)
+        refused = Response(error_body(exc.type, exc.message, exc.details), status=exc.status)
+        if (wait := exc.details.get("retry_after_seconds")) is not None:
+            refused["Retry-After"] = str(wait)  # a capability's enforced rate limit
+        return refused
     if unavailable(exc):
         log.warning("ledger_unavailable error=%r", exc)
         return Response(ledger_unavailable_body(), status=503)

@@ -42,7 +42,9 @@ ERRORS = {
         413: "payload_too_large",
         415: "unsupported_media_type: a body that is not JSON, or is compressed",
         422: "capability_disabled / subject_required",
-        429: "rate_limited",
+        429: "rate_limited: the token's request rate, or (on an admission) its capability's "
+        "enforced execution.rate_limit, whose details name the capability; nothing was "
+        "recorded, send the same request after Retry-After",
         500: "internal_error: the ledger failed, safe to resend / projection_broken: the "
         "invocation's record was changed outside the ledger, nothing was recorded",
         503: "ledger_unavailable: nothing was recorded, safe to resend",

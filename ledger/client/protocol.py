@@ -150,7 +150,9 @@ def not_dispatched(invocation_id: str, task_id: str, why: str) -> InvocationResu
 # runtime's): an outcome is kept for a flush with the right token, never dropped.
 CALLER_REFUSED = (401, 403, 404)
 
-MAX_RETRY_AFTER = 10.0  # seconds: longer and the caller had better decide itself
+# Seconds: an answer that asks for a longer wait is not resent (the caller had better
+# decide itself), but told as the ledger not taking the request now.
+MAX_RETRY_AFTER = 10.0
 
 
 def _ledger_json(response: httpx.Response) -> Any:
@@ -169,7 +171,7 @@ def _retry_after(response: httpx.Response) -> float:
         seconds = float(response.headers.get("retry-after", 0))
     except ValueError:  # an HTTP date: the ledger never sends one
         return 0.0
-    return min(seconds, MAX_RETRY_AFTER) if seconds > 0 else 0.0  # NaN is not > 0
+    return seconds if seconds > 0 else 0.0  # NaN is not > 0
 
 
 class Protocol:
@@ -186,14 +188,17 @@ class Protocol:
         """The ledger's typed answer (status and JSON body), resending what it did not
         take.
 
-        Resent: a 429 `rate_limited`, any 5xx (`ledger_unavailable`, `internal_error`,
-        `projection_broken`, a proxy's 502 page), an answer that is not the ledger's
+        Resent, after the answer's Retry-After if it gives one: a 429 `rate_limited`, any
+        5xx (`ledger_unavailable`, `internal_error`, `projection_broken`, a proxy's 502
+        page), an answer that is not the ledger's
         JSON, a connection refused before anything was sent, and one closed before the
         answer came whole (a web process killed mid-request, a keep-alive connection the
         server closed as it was reused): every call of this API replays safely, and a
         resent admission that had in fact been recorded comes back as a 200 replay,
-        which `refusal` never dispatches. A timeout is not resent: the ledger may still
-        be at work on the request, and the caller has waited long enough.
+        which `refusal` never dispatches. Not resent: a timeout (the ledger may still be
+        at work on the request, and the caller has waited long enough), and an answer
+        asking for a wait over MAX_RETRY_AFTER (a capability's enforced rate limit: an
+        hour's window may ask for most of an hour).
         """
         for attempt in range(self.retries + 1):
             wait = 0.2 * 2**attempt
@@ -213,7 +218,10 @@ class Protocol:
                     return response.status_code, payload
                 else:
                     last = payload.get("error", {}).get("type") or str(response.status_code)
-                    wait = max(wait, _retry_after(response))
+                    asked = _retry_after(response)
+                    if asked > MAX_RETRY_AFTER:  # a capability's rate limit, say
+                        raise LedgerUnreachable(f"{last}: retry after {asked:g} s")
+                    wait = max(wait, asked)
             if attempt < self.retries:
                 yield Pause(wait)
         raise LedgerUnreachable(last)

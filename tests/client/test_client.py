@@ -24,7 +24,7 @@ from django.core.management import call_command
 from django.db import connection
 
 from ledger import acc
-from ledger.capabilities import capability_register
+from ledger.capabilities import capability_register, capability_settings_change
 from ledger.client import (
     BusinessFailure,
     CallContext,
@@ -644,6 +644,40 @@ def test_a_rate_limited_outcome_is_sent_again_after_retry_after(
     assert (result.kind, result.status) == ("succeeded", "succeeded")
     assert len(tool.calls) == 1
     assert Outcome.objects.get().kind == "succeeded"
+
+
+def test_a_capabilitys_enforced_rate_limit_is_told_at_once_and_nothing_is_called(
+    live_server: Any, token: str
+) -> None:
+    """One refund an hour, enforced: the second is refused before its tool is called,
+    at once (the ledger asks for most of an hour, longer than the client ever waits),
+    and may be tried again later under the same invocation."""
+    capability_register(
+        declaration=acc.parse({
+            "version": 1, "enabled": True, "scope": "refund.create",
+            "execution": {"rate_limit": {"count": 1, "window": "1h"}},
+        }),
+        source="tests", actor="user:tests",
+    )  # fmt: skip
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="1 an hour", rate_limit_enforced=True
+    )
+    statuses: list[int] = []
+    client = LedgerClient(live_server.url, token)
+    client.http.event_hooks["response"].append(
+        lambda response: statuses.append(response.status_code)
+    )
+    assert invoke(client, Tool(), key="k-1").kind == "succeeded"
+    tool = Tool()
+    refused = invoke(client, tool, key="k-2")
+    assert statuses == [201, 201, 429]  # the second intent sent once, never resent
+    assert (refused.kind, refused.retryable, refused.next_action) == (
+        "pre_dispatch_rejected",
+        True,
+        "retry",
+    )
+    assert refused.error.startswith("intent not confirmed: rate_limited: retry after ")
+    assert tool.calls == [] and Invocation.objects.count() == 1
 
 
 def test_after_the_ledger_was_down_a_retry_sends_the_intent_again(

@@ -74,7 +74,7 @@ def test_registrations_and_settings_changes_are_recorded_with_what_they_left(db:
     )
     assert change.details["settings"] == {
         "idempotency_verified": True, "max_attempts": 3, "grace_ms": None,
-        "redact_paths": [], "probe": {},
+        "redact_paths": [], "probe": {}, "rate_limit_enforced": False,
     }  # fmt: skip
     report = verify()
     assert report.ok, report.breaks

@@ -1,0 +1,203 @@
+"""A declared `execution.rate_limit` enforced at admission, for the capabilities whose
+`rate_limit_enforced` setting is on: the attempt beyond it is refused (429), and
+nothing of its request is recorded."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections import Counter
+
+import pytest
+from django.db import connection
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+
+from ledger.capabilities import SETTINGS_CHANGED, capability_settings_change
+from ledger.integrity import seal_events, verify
+from ledger.models import (
+    AdminAction,
+    Attempt,
+    Capability,
+    Event,
+    Invocation,
+    RateAdmission,
+    Runtime,
+    RuntimeToken,
+)
+from ledger.rate_limits import watch_rate_limits
+from tests.conftest import Api, person, registered
+from tests.ledger.conftest import superuser_sql
+from tests.ledger.test_concurrency import race
+
+
+def enforced(count: int = 2, window: str = "1h", scope: str = "refund.create") -> Capability:
+    registered(scope, rate_limit={"count": count, "window": window})
+    capability_settings_change(
+        scope=scope, actor="user:ada", reason="payments allows 2 an hour", rate_limit_enforced=True
+    )
+    return Capability.objects.get(scope=scope)
+
+
+def intent(api: Api, n: int, scope: str = "refund.create") -> tuple[int, dict]:
+    return api.intent(
+        invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", capability=scope, attempt_id="a1"
+    )
+
+
+def test_the_attempt_beyond_the_limit_is_refused_with_when_to_ask_again(api: Api, db: None) -> None:
+    enforced(count=2, window="1h")
+    assert [intent(api, n)[0] for n in (1, 2)] == [201, 201]
+    response = api.client.post(
+        "/api/v1/intents",
+        json.dumps({"invocation_id": "inv-3", "task_id": "t", "capability": "refund.create",
+                    "arguments": {}, "idempotency_key": "k-3", "attempt_id": "a1"}),
+        content_type="application/json", headers=api.headers(),
+    )  # fmt: skip
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert error["type"] == "rate_limited"
+    assert error["message"].startswith("refund.create admits at most 2 attempts per 1h")
+    assert error["details"]["capability"] == "refund.create"
+    assert error["details"]["rate_limit"] == {"count": 2, "window": "1h"}
+    # The oldest of the two leaves the window in an hour, less the time the test took.
+    assert 3500 < error["details"]["retry_after_seconds"] <= 3600
+    assert response["Retry-After"] == str(error["details"]["retry_after_seconds"])
+    # Nothing of the refused request was recorded, not even its intent.
+    assert not Invocation.objects.filter(invocation_id="inv-3").exists()
+    assert Attempt.objects.count() == 2
+    assert RateAdmission.objects.count() == 2
+
+
+def test_a_retry_counts_and_is_refused_like_a_first_attempt(api: Api, db: None) -> None:
+    enforced(count=2)
+    intent(api, 1)
+    api.outcome("inv-1", "a1", kind="pre_dispatch_rejected")
+    assert api.attempt("inv-1", "a2")[0] == 201
+    status, body = api.attempt("inv-1", "a3")  # a policy refusal comes first, as ever
+    assert (status, body["error"]["type"]) == (409, "attempt_in_flight")
+    api.outcome("inv-1", "a2", kind="pre_dispatch_rejected")
+    status, body = api.attempt("inv-1", "a3")
+    assert (status, body["error"]["type"]) == (429, "rate_limited")
+    invocation = Invocation.objects.get()
+    assert (invocation.status, invocation.attempt_count) == ("retry_allowed", 2)
+    # A replay of an admitted attempt is answered as ever: it is no new admission.
+    assert api.attempt("inv-1", "a2")[0] == 200
+
+
+def test_the_window_slides_and_every_runtime_counts(api: Api, api_b: Api, db: None) -> None:
+    enforced(count=2, window="1m")
+    assert intent(api, 1)[0] == 201
+    assert intent(api_b, 2)[0] == 201
+    assert intent(api, 3)[0] == 429
+    # The first admission, moved a minute back, has left the window; the second has not.
+    RateAdmission.objects.filter(invocation_id="inv-1").update(
+        admitted_at=dt.datetime.now(dt.UTC) - dt.timedelta(seconds=61)
+    )
+    assert intent(api, 3)[0] == 201
+    assert intent(api, 4)[0] == 429
+
+
+def test_a_batch_is_refused_item_by_item_past_the_limit(api: Api, db: None) -> None:
+    enforced(count=2)
+    registered("order.read", readonly=True)
+    items = [
+        {"type": "intent", "invocation_id": f"inv-{n}", "task_id": "t", "capability": scope,
+         "arguments": {}, "idempotency_key": f"k-{n}", "attempt_id": "a1"}
+        for n, scope in enumerate(["refund.create", "order.read", "refund.create",
+                                   "refund.create", "order.read"])
+    ]  # fmt: skip
+    status, body = api.post("/api/v1/evidence", items)
+    assert status == 207
+    assert [result["status"] for result in body["results"]] == [201, 201, 201, 429, 201]
+    assert body["results"][3]["body"]["error"]["type"] == "rate_limited"
+    assert sorted(Invocation.objects.values_list("invocation_id", flat=True)) == [
+        "inv-0", "inv-1", "inv-2", "inv-4",
+    ]  # fmt: skip
+
+
+def test_turned_on_it_counts_from_then_whatever_the_web_process_remembered(
+    api: Api, db: None
+) -> None:
+    """The process remembers the capability as it read it, not enforced: the write
+    finds it changed, and the intent is read and applied again, under the limit. What
+    was admitted before it was turned on is not counted."""
+    registered("refund.create", rate_limit={"count": 1, "window": "1h"})
+    assert [intent(api, n)[0] for n in (1, 2)] == [201, 201]  # remembered as it is
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="now", rate_limit_enforced=True
+    )
+    assert [intent(api, n)[0] for n in (3, 4)] == [201, 429]
+    assert list(RateAdmission.objects.values_list("invocation_id", flat=True)) == ["inv-3"]
+
+
+def test_capabilities_not_enforced_take_no_lock_and_read_no_count(api: Api, db: None) -> None:
+    """Declared but not enforced (the default): admitted, and flagged by the watch; the
+    request neither takes the capability's lock nor reads its admissions."""
+    registered("refund.create", rate_limit={"count": 1, "window": "1h"})
+    assert intent(api, 1)[0] == 201  # (which also reads the capability, if remembered)
+    with CaptureQueriesContext(connection) as queries:
+        assert intent(api, 2)[0] == 201
+    read = " ".join(query["sql"] for query in queries.captured_queries)
+    assert "ledger.rate_limit:" not in read and "ledger_rateadmission" not in read
+    assert not RateAdmission.objects.exists()
+    seal_events()
+    assert watch_rate_limits().flagged == ["inv-2"]
+
+
+def test_what_it_admits_the_watch_never_finds_beyond_the_limit(api: Api, db: None) -> None:
+    enforced(count=2)
+    for n in range(5):
+        intent(api, n)
+    seal_events()
+    watched = watch_rate_limits()
+    assert (watched.admissions, watched.breaches) == (2, 0)
+
+
+def test_turning_it_on_is_a_recorded_setting_and_a_change_outside_the_registry_is_found(
+    db: None,
+) -> None:
+    enforced()
+    assert verify().ok
+    superuser_sql("UPDATE ledger_capability SET rate_limit_enforced = false")
+    breaks = [(b.where, b.expected, b.found) for b in verify().breaks]
+    assert breaks == [
+        ("capability refund.create", "rate_limit_enforced true", "rate_limit_enforced false")
+    ]
+
+
+def test_a_settings_change_recorded_before_the_setting_existed_verifies(db: None) -> None:
+    """Its record names the settings there were then: the new one was at its default."""
+    registered("refund.create")
+    before: dict[str, object] = {
+        "idempotency_verified": False, "max_attempts": 3, "grace_ms": None,
+        "redact_paths": [], "probe": {},
+    }  # fmt: skip
+    AdminAction.record(
+        actor="user:ada", action=SETTINGS_CHANGED, target="refund.create", reason="then",
+        details={"changed": {"max_attempts": {"from": None, "to": 3}}, "settings": before},
+    )  # fmt: skip
+    Capability.objects.filter(scope="refund.create").update(max_attempts=3)
+    assert verify().ok
+    superuser_sql("UPDATE ledger_capability SET rate_limit_enforced = true")
+    assert [b.found for b in verify().breaks] == ["rate_limit_enforced true"]
+
+
+def test_the_capability_page_says_whether_it_is_enforced(db: None) -> None:
+    enforced(count=2, window="1h")
+    page = person("carl", "compliance").get("/audit/capabilities/refund.create/").content.decode()
+    assert "2 per 1h, as declared: enforced, an attempt beyond it refused at admission" in page
+
+
+@pytest.mark.django_db(transaction=True)
+def test_of_ten_concurrent_admissions_under_a_limit_of_three_three_are_admitted() -> None:
+    """Ten runtimes' intents at once, on ten connections: the capability's lock lets
+    them count one after the other."""
+    enforced(count=3)
+    tokens = [
+        RuntimeToken.issue(runtime=Runtime.objects.create(name=f"racer-{n}"))[1] for n in range(10)
+    ]
+    results = race(10, lambda n: intent(Api(Client(), tokens[n]), n))
+    assert Counter(status for status, _ in results) == {201: 3, 429: 7}
+    assert Invocation.objects.count() == Attempt.objects.count() == 3
+    assert Event.objects.filter(kind="attempt_admitted").count() == 3
