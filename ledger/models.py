@@ -884,20 +884,24 @@ class RateWatch(models.Model):
 
 class RateAdmission(models.Model):
     """An attempt admitted under a capability whose declared rate limit the ledger
-    enforces (`Capability.rate_limit_enforced`): what the next admission of the
-    capability counts, within its window, under the capability's lock.
+    enforces (`Capability.rate_limit_enforced`), numbered in the order of admission
+    under the capability's lock: the admission `count` numbers before the next one
+    says whether the next one has room (`ledger.rate_enforcement`).
 
-    Not evidence (the attempt and its `attempt_admitted` event are): rows older than
-    two windows are deleted as new ones are written.
+    Not evidence (the attempt and its `attempt_admitted` event are): only the newest
+    `count` of a capability are kept.
     """
 
     scope = models.CharField(max_length=160)
+    number = models.BigIntegerField()
     admitted_at = models.DateTimeField()
     invocation_id = models.CharField(max_length=128)
     attempt_id = models.CharField(max_length=128)
 
     class Meta:
-        indexes = [models.Index(fields=["scope", "admitted_at"], name="rate_admission_window")]
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "number"], name="rate_admission_number")
+        ]
 
     def __str__(self) -> str:
         return f"{self.scope} {self.invocation_id}/{self.attempt_id} at {self.admitted_at}"

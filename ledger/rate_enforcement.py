@@ -5,16 +5,17 @@ sliding window, by the ledger's clock, across every runtime (the limit is the bu
 system's). The ledger watches every declared limit (`ledger.rate_limits`). For a
 capability whose `rate_limit_enforced` setting is on, it also refuses: a unit of
 evidence that would admit one of its attempts takes the capability's lock for its
-transaction and reads the newest admissions within the window (`RateAdmission`, kept
-for these capabilities only); an admission that would make more than `count` is
+transaction, and an admission that would make more than `count` within the window is
 refused with 429 `rate_limited` and the seconds until one leaves the window, and
-changes nothing. Units of other capabilities neither wait nor read: the one-statement
-write path is theirs as before.
+changes nothing. Admissions are numbered under the lock (`RateAdmission`, kept for
+these capabilities only, the newest `count` of each), so that judging one reads one
+row, the admission `count` numbers before it (`Room`), however large the limit. Units
+of other capabilities neither wait nor read: the one-statement write path is theirs
+as before.
 """
 
 from __future__ import annotations
 
-import bisect
 import datetime as dt
 import math
 import re
@@ -59,25 +60,38 @@ class RateLimit:
 
 @dataclass
 class Room:
-    """What an enforced limit leaves a unit of evidence: the times of the newest
-    admissions of the capability within its window, at most `count`, oldest first, the
-    unit's own included as it admits them."""
+    """Whether an enforced limit has room for a unit's next admissions of a capability.
+
+    Admissions are numbered in order under the capability's lock. The next one has
+    room unless the one `count` numbers before it was made within the window before
+    now: then it would be the `count + 1`th in the window. So each admission reads one
+    earlier one, however large the limit: `earlier` holds the times, by number, of
+    those the unit's admissions may read, its own added as it makes them."""
 
     scope: str
     limit: RateLimit
-    recent: list[dt.datetime]
+    next: int
+    earlier: dict[int, dt.datetime]
 
-    def full(self) -> bool:
-        return len(self.recent) >= self.limit.count
+    def _counted_against(self) -> dt.datetime | None:
+        return self.earlier.get(self.next - self.limit.count)
 
-    def take(self, at: dt.datetime) -> None:
-        bisect.insort(self.recent, at)
-        del self.recent[: -self.limit.count]
+    def full(self, now: dt.datetime) -> bool:
+        before = self._counted_against()
+        return before is not None and before > now - self.limit.window
+
+    def take(self, at: dt.datetime) -> int:
+        """The number of the admission made now."""
+        number, self.next = self.next, self.next + 1
+        self.earlier[number] = at
+        return number
 
     def refusal(self, now: dt.datetime) -> dict[str, Any]:
-        """The details of a refusal: the limit, and the whole seconds until the oldest
-        of the newest `count` admissions leaves the window (at least one)."""
-        leaves = self.recent[0] + self.limit.window
+        """The details of a refusal: the limit, and the whole seconds until the
+        admission counted against this one leaves the window (at least one)."""
+        before = self._counted_against()
+        assert before is not None, "refused only when full"
+        leaves = before + self.limit.window
         return {
             "capability": self.scope,
             "rate_limit": dict(self.limit.declared),
@@ -96,30 +110,68 @@ def enforced_limits(capabilities: Iterable[Capability | None]) -> dict[str, Rate
     }
 
 
-def rooms(limits: Mapping[str, RateLimit], now: dt.datetime) -> dict[str, Room]:
+# The unit's lock is taken by a statement of its own: a statement's snapshot is taken
+# as it starts, before a lock it waits for, and would miss what the holder committed.
+LOCKED = "SELECT pg_advisory_xact_lock(hashtext(%s))"
+# The newest number, and the admissions from `count` before the next one on, as many
+# as the unit may read: one row each, found through the (scope, number) index.
+EARLIER = """
+WITH newest AS (
+  SELECT coalesce(max(number), 0) AS number FROM ledger_rateadmission WHERE scope = %(scope)s
+)
+SELECT newest.number, a.number, a.admitted_at FROM newest
+LEFT JOIN LATERAL (
+  SELECT number, admitted_at FROM ledger_rateadmission
+  WHERE scope = %(scope)s AND number > newest.number - %(count)s
+  ORDER BY number LIMIT %(most)s
+) a ON true
+"""
+# The unit's admissions kept, and the capability's older than the newest `count` let go.
+KEPT = """
+WITH gone AS (
+  DELETE FROM ledger_rateadmission WHERE scope = %(scope)s AND number <= %(last)s - %(count)s
+)
+INSERT INTO ledger_rateadmission (scope, number, admitted_at, invocation_id, attempt_id)
+SELECT %(scope)s, number, admitted_at, invocation_id, attempt_id
+FROM unnest(%(numbers)s::bigint[], %(times)s::timestamptz[], %(invocations)s::text[],
+            %(attempts)s::text[]) AS a(number, admitted_at, invocation_id, attempt_id)
+"""
+
+
+def rooms(limits: Mapping[str, RateLimit], most: Mapping[str, int]) -> dict[str, Room]:
     """Each capability's lock, held to the end of the caller's transaction, and the
-    newest admissions within its window, which its next admissions are judged by.
+    earlier admissions that the unit's next ones (`most` of them at most, by scope)
+    are judged by: a read of the unit's size, not the limit's.
 
     Taken in scope order, so that two units never hold one each and wait for the
-    other's. Counted from `now - window` on, with no end: an admission of a unit that
-    read the clock after this one, and took the lock first, counts too."""
+    other's."""
     found = {}
-    for scope in sorted(limits):
-        limit = limits[scope]
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [LOCK + scope])
-        recent = RateAdmission.objects.filter(scope=scope, admitted_at__gt=now - limit.window)
-        newest = recent.order_by("-admitted_at").values_list("admitted_at", flat=True)
-        found[scope] = Room(scope, limit, list(newest[: limit.count])[::-1])
+    with connection.cursor() as cursor:
+        for scope in sorted(limits):
+            limit = limits[scope]
+            cursor.execute(LOCKED, [LOCK + scope])
+            cursor.execute(EARLIER, {"scope": scope, "count": limit.count, "most": most[scope]})
+            rows = cursor.fetchall()
+            earlier = {number: at for _, number, at in rows if number is not None}
+            found[scope] = Room(scope, limit, rows[0][0] + 1, earlier)
     return found
 
 
 def record_admissions(admitted: Sequence[RateAdmission], rooms: Mapping[str, Room]) -> None:
-    """The admissions a unit made under enforced limits, for the next units to count;
-    and, of those capabilities, the rows too old to count again are let go."""
-    if not admitted:
-        return
-    RateAdmission.objects.bulk_create(admitted)
-    for scope in {admission.scope for admission in admitted}:
-        oldest_counted = admitted[0].admitted_at - 2 * rooms[scope].limit.window
-        RateAdmission.objects.filter(scope=scope, admitted_at__lt=oldest_counted).delete()
+    """The admissions a unit made under enforced limits, for the next units to read;
+    of each capability only the newest `count` are kept, all a next one may read."""
+    with connection.cursor() as cursor:
+        for scope in sorted({admission.scope for admission in admitted}):
+            made = [admission for admission in admitted if admission.scope == scope]
+            cursor.execute(
+                KEPT,
+                {
+                    "scope": scope,
+                    "last": rooms[scope].next - 1,
+                    "count": rooms[scope].limit.count,
+                    "numbers": [admission.number for admission in made],
+                    "times": [admission.admitted_at for admission in made],
+                    "invocations": [admission.invocation_id for admission in made],
+                    "attempts": [admission.attempt_id for admission in made],
+                },
+            )

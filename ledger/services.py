@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -443,7 +444,7 @@ def _within_rate_limit(work: _Work, scope: str) -> None:
     """Refuse an admission that the capability's enforced rate limit has no room for:
     429, nothing changed, with when to ask again."""
     room = work.rate_rooms.get(scope)
-    if room is not None and room.full():
+    if room is not None and room.full(work.now):
         count, window = room.limit.declared["count"], room.limit.declared["window"]
         raise LedgerError(
             "rate_limited",
@@ -479,10 +480,10 @@ def _admit(work: _Work, invocation: Invocation, attempt_id: str, actor: str) -> 
     work.attempts[invocation.invocation_id][attempt_id] = attempt
     work.new_attempts.append(attempt)
     if room := work.rate_rooms.get(invocation.capability_scope):
-        room.take(work.now)
         work.rate_admitted.append(
             RateAdmission(
                 scope=room.scope,
+                number=room.take(work.now),
                 admitted_at=work.now,
                 invocation_id=invocation.invocation_id,
                 attempt_id=attempt_id,
@@ -858,11 +859,14 @@ def _apply_once(
         work.assume_new(known)
     else:
         work.load_items(items)
-    limits = _enforced_rate_limits(work, items)
+    limits, admitting = _enforced_rate_limits(work, items)
     if not limits:
         return _applied(work, items, assumed_new=known is not None)
     with transaction.atomic():
-        work.rate_rooms = rate_enforcement.rooms(limits, work.now)
+        work.rate_rooms = rate_enforcement.rooms(limits, admitting)
+        # Read again once the lock is held: the capability's admissions are then in the
+        # order of their times, as the window judges them, however long the wait was.
+        work.now = timezone.now()
         results = _applied(work, items, assumed_new=known is not None)
         rate_enforcement.record_admissions(work.rate_admitted, work.rate_rooms)
         return results
@@ -883,22 +887,24 @@ def _applied(work: _Work, items: Sequence[EvidenceInput], *, assumed_new: bool) 
 
 def _enforced_rate_limits(
     work: _Work, items: Sequence[EvidenceInput]
-) -> dict[str, rate_enforcement.RateLimit]:
+) -> tuple[dict[str, rate_enforcement.RateLimit], Counter[str]]:
     """The enforced rate limits of the capabilities under which these items may admit
-    an attempt: an intent's with its first attempt, and an attempt's invocation's (read
-    only when the unit holds attempts: retries, not the intent-and-outcome path)."""
-    scopes = {
+    an attempt (an intent's with its first attempt, an attempt's invocation's), and how
+    many items may admit under each. An attempt's capability is read only when the unit
+    holds attempts: retries, not the intent-and-outcome path."""
+    admitting = Counter(
         item.capability for item in items if isinstance(item, IntentInput) and item.attempt_id
-    }
-    capabilities = [work.capabilities.get(scope) for scope in scopes]
-    retried = {
+    )
+    capabilities = [work.capabilities.get(scope) for scope in admitting]
+    retried = Counter(
         work.invocations[item.invocation_id].capability_scope
         for item in items
         if isinstance(item, AttemptInput) and item.invocation_id in work.invocations
-    } - scopes
-    if retried:
-        capabilities += Capability.objects.filter(scope__in=retried, rate_limit_enforced=True)
-    return rate_enforcement.enforced_limits(capabilities)
+    )
+    if unread := retried.keys() - admitting.keys():
+        capabilities += Capability.objects.filter(scope__in=unread, rate_limit_enforced=True)
+    admitting.update(retried)
+    return rate_enforcement.enforced_limits(capabilities), admitting
 
 
 def _known_capabilities_of_new_intents(

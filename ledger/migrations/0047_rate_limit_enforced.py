@@ -32,13 +32,16 @@ class Migration(migrations.Migration):
                     ),
                 ),
                 ("scope", models.CharField(max_length=160)),
+                ("number", models.BigIntegerField()),
                 ("admitted_at", models.DateTimeField()),
                 ("invocation_id", models.CharField(max_length=128)),
                 ("attempt_id", models.CharField(max_length=128)),
             ],
             options={
-                "indexes": [
-                    models.Index(fields=["scope", "admitted_at"], name="rate_admission_window")
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("scope", "number"), name="rate_admission_number"
+                    )
                 ],
             },
         ),

@@ -25,6 +25,7 @@ from ledger.models import (
     Runtime,
     RuntimeToken,
 )
+from ledger.rate_enforcement import RateLimit, Room
 from ledger.rate_limits import watch_rate_limits
 from tests.conftest import Api, person, registered
 from tests.ledger.conftest import superuser_sql
@@ -67,6 +68,32 @@ def test_the_attempt_beyond_the_limit_is_refused_with_when_to_ask_again(api: Api
     assert not Invocation.objects.filter(invocation_id="inv-3").exists()
     assert Attempt.objects.count() == 2
     assert RateAdmission.objects.count() == 2
+
+
+def test_an_admission_is_judged_by_the_one_count_numbers_before_it() -> None:
+    """Two a minute: the third admission reads the first; a limit of a million reads
+    one row all the same."""
+    t0 = dt.datetime(2026, 12, 7, 12, 0, tzinfo=dt.UTC)
+    limit = RateLimit(count=2, window=dt.timedelta(minutes=1), declared={})
+    room = Room("refund.create", limit, next=3, earlier={1: t0})
+    assert room.full(t0 + dt.timedelta(seconds=59))
+    assert room.refusal(t0 + dt.timedelta(seconds=59))["retry_after_seconds"] == 1
+    assert not room.full(t0 + dt.timedelta(seconds=60))  # the window is (now - 1m, now]
+    assert room.take(t0 + dt.timedelta(seconds=60)) == 3
+    assert not room.full(t0 + dt.timedelta(seconds=60))  # the fourth reads the second: none
+    fresh = Room("refund.create", limit, next=1, earlier={})
+    assert not fresh.full(t0)
+
+
+def test_only_the_newest_count_admissions_are_kept(api: Api, db: None) -> None:
+    enforced(count=2, window="1m")
+    for n in (1, 2):
+        assert intent(api, n)[0] == 201
+    RateAdmission.objects.update(admitted_at=dt.datetime.now(dt.UTC) - dt.timedelta(minutes=2))
+    for n in (3, 4):
+        assert intent(api, n)[0] == 201
+    kept = RateAdmission.objects.order_by("number").values_list("number", "invocation_id")
+    assert list(kept) == [(3, "inv-3"), (4, "inv-4")]
 
 
 def test_a_retry_counts_and_is_refused_like_a_first_attempt(api: Api, db: None) -> None:
