@@ -228,3 +228,21 @@ def test_of_ten_concurrent_admissions_under_a_limit_of_three_three_are_admitted(
     assert Counter(status for status, _ in results) == {201: 3, 429: 7}
     assert Invocation.objects.count() == Attempt.objects.count() == 3
     assert Event.objects.filter(kind="attempt_admitted").count() == 3
+
+
+def test_an_admin_turns_it_on_in_the_admin_and_says_why(admin_client: Client) -> None:
+    capability = registered("refund.create", rate_limit={"count": 2, "window": "1h"})
+    url = f"/admin/ledger/capability/{capability.pk}/change/"
+    form = {
+        "idempotency_verified": "", "max_attempts": "", "grace_ms": "", "redact_paths": "",
+        "probe": "{}", "rate_limit_enforced": "on",
+        "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
+    }  # fmt: skip
+    assert "Say why rate_limit_enforced change" in admin_client.post(url, form).content.decode()
+    form["reason"] = "payments allows 2 an hour"
+    assert admin_client.post(url, form).status_code == 302
+    capability.refresh_from_db()
+    assert capability.rate_limit_enforced
+    change = AdminAction.objects.get(action=SETTINGS_CHANGED)
+    assert change.details["changed"] == {"rate_limit_enforced": {"from": False, "to": True}}
+    assert change.reason == "payments allows 2 an hour"
