@@ -15,6 +15,8 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
 - raw, api and floor alternate in `--rounds` slices (5 by default), so that each
   ratio compares figures taken under the same drift of the machine's speed; during
   the 8-client slices, the CPU each process group spends, from /proc;
+- enforced: the intent at 1 client under a capability whose declared rate limit the
+  ledger enforces (a limit never reached), alternating with the plain intent;
 - batch: POST /api/v1/evidence with 1,000 intents per request, 1 and 2 clients,
   and the floor of its rows: the same rows copied by one SQL statement per 1,000;
 - reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
@@ -165,14 +167,14 @@ class Runtime:
         response = self.conn.getresponse()
         return response.status, response.read()
 
-    def invoke(self, invocation_id: str) -> tuple[float, float]:
+    def invoke(self, invocation_id: str, capability: str = "refund.create") -> tuple[float, float]:
         started = time.perf_counter()
         status, body = self.post(
             "/api/v1/intents",
             {
                 "invocation_id": invocation_id,
                 "task_id": "bench-task",
-                "capability": "refund.create",
+                "capability": capability,
                 "arguments": ARGUMENTS,
                 "idempotency_key": invocation_id,
                 "attempt_id": "a1",
@@ -190,17 +192,29 @@ class Runtime:
         return intent_done - started, time.perf_counter() - intent_done
 
 
-def api_worker(port: int, token: str, seconds: float, tag: str, queue: Any) -> None:
+def api_worker(
+    port: int, token: str, seconds: float, tag: str, queue: Any, capability: str = "refund.create"
+) -> None:
     runtime = Runtime(port, token)
     intents, outcomes = [], []
     deadline = time.perf_counter() + seconds
     n = 0
     while time.perf_counter() < deadline:
         n += 1
-        intent, outcome = runtime.invoke(f"{tag}-{n}")
+        intent, outcome = runtime.invoke(f"{tag}-{n}", capability)
         intents.append(intent)
         outcomes.append(outcome)
     queue.put((intents, outcomes))
+
+
+# A capability whose declared rate limit the ledger enforces, never reached here: what
+# each admission of such a capability costs (ledger.rate_enforcement).
+ENFORCED = "refund.enforced"
+ENFORCED_LIMIT = {"count": 1_000_000_000, "window": "1h"}
+
+
+def enforced_api_worker(port: int, token: str, seconds: float, tag: str, queue: Any) -> None:
+    api_worker(port, token, seconds, f"enforced-{tag}", queue, capability=ENFORCED)
 
 
 def floor_worker(port: int, token: str, seconds: float, tag: str, queue: Any) -> None:
@@ -447,11 +461,20 @@ class Command(BaseCommand):
                 "('refund.create', true, false, false, false, 'high', false, false, '{}', '{}', "
                 "'{}', 0, now(), now())"
             )
+            conn.execute(
+                "INSERT INTO ledger_capability (scope, enabled, readonly, idempotent, "
+                "idempotency_verified, risk_level, subject_required, audit_sensitive, "
+                "redact_paths, probe, declaration, version, created_at, updated_at, "
+                "rate_limit_enforced) VALUES (%s, true, false, false, false, 'high', false, "
+                "false, '{}', '{}', %s, 0, now(), now(), true)",
+                [ENFORCED, json.dumps({"execution": {"rate_limit": ENFORCED_LIMIT}})],
+            )
             conn.execute(RAW_TABLE)
         results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}}
         with self.gunicorn(env, options["web_workers"], options["web_threads"]) as (port, pid):
             rounds = options["rounds"]
             results.update(self.interleaved(port, pid, token, bench_conninfo, seconds, rounds))
+            results["api_1_enforced"] = self.enforced(port, token, seconds, rounds)
             for clients in (1, 2):
                 spent: dict[str, float] = {}
                 with cpu_spent(pid, spent):
@@ -691,6 +714,27 @@ class Command(BaseCommand):
         }
 
     @staticmethod
+    def enforced(port: int, token: str, seconds: float, rounds: int) -> dict[str, Any]:
+        """The intent at 1 client under a capability whose rate limit is enforced,
+        against the same intent under refund.create, in `rounds` alternating slices
+        (each of seconds/rounds/2)."""
+        share = seconds / rounds / 2
+        plain: list[float] = []
+        enforced: list[float] = []
+        per_round = []
+        for _ in range(rounds):
+            for worker, into in ((api_worker, plain), (enforced_api_worker, enforced)):
+                got, _ = run_clients(worker, 1, (port, token), share)
+                into += [x for intents, _ in got for x in intents]
+            per_round.append(round(statistics.median(enforced) / statistics.median(plain), 2))
+        return {
+            "intent": summary(enforced, seconds / 2, len(enforced)),
+            "plain_intent_p50_ms": round(statistics.median(plain) * 1000, 3),
+            "over_plain_p50": round(statistics.median(enforced) / statistics.median(plain), 2),
+            "over_plain_p50_round_by_round": per_round,
+        }
+
+    @staticmethod
     def interleaved(
         port: int, web_pid: int, token: str, conninfo: str, seconds: float, rounds: int
     ) -> dict[str, Any]:
@@ -863,8 +907,19 @@ class Command(BaseCommand):
                 f"{f'batch items, {clients} client(s)':<34}{'':>20}"
                 f"{results[f'batch_{clients}']['items_per_second']:>14}"
             )
+        enforced = results["api_1_enforced"]
+        row = enforced["intent"]
+        out(
+            f"{'api intent, rate limit enforced, 1 cl.':<34}"
+            f"{row['p50_ms']:>10}{row['p99_ms']:>10}{row['per_second']:>14}"
+        )
         for name, value in results["ratios"].items():
             out(f"ratio {name}: {value}")
+        out(
+            f"ratio enforced_intent_p50_over_intent_p50_1_client: {enforced['over_plain_p50']} "
+            f"(round by round: {', '.join(map(str, enforced['over_plain_p50_round_by_round']))}; "
+            f"the intent alongside it {enforced['plain_intent_p50_ms']} ms)"
+        )
         for name, values in results["per_round_ratios"].items():
             out(f"ratio {name}, round by round: {', '.join(map(str, values))}")
         names = {"raw": "raw insert", "api": "API write", "floor": "floor request"}
