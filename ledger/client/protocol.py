@@ -190,12 +190,12 @@ class Protocol:
 
         Resent, after the answer's Retry-After if it gives one: a 429 `rate_limited`, any
         5xx (`ledger_unavailable`, `internal_error`, `projection_broken`, a proxy's 502
-        page), an answer that is not the ledger's
-        JSON, a connection refused before anything was sent, and one closed before the
-        answer came whole (a web process killed mid-request, a keep-alive connection the
-        server closed as it was reused): every call of this API replays safely, and a
-        resent admission that had in fact been recorded comes back as a 200 replay,
-        which `refusal` never dispatches. Not resent: a timeout (the ledger may still be
+        page), an answer that is not the ledger's JSON, a connection refused before
+        anything was sent, and one closed before the answer came whole (a web process
+        killed mid-request, a keep-alive connection the server closed as it was
+        reused): every call of this API replays safely, and a resent admission that had
+        in fact been recorded comes back as a 200 replay, which `refusal` never
+        dispatches. Not resent: a timeout (the ledger may still be
         at work on the request, and the caller has waited long enough), and an answer
         asking for a wait over MAX_RETRY_AFTER (a capability's enforced rate limit: an
         hour's window may ask for most of an hour).
