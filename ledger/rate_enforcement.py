@@ -19,13 +19,13 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import connection
 
-from ledger.models import Capability, RateAdmission
+from ledger.models import Capability
 
 # The advisory lock of a capability's admissions, with its scope after it.
 LOCK = "ledger.rate_limit:"
@@ -66,12 +66,14 @@ class Room:
     room unless the one `count` numbers before it was made within the window before
     now: then it would be the `count + 1`th in the window. So each admission reads one
     earlier one, however large the limit: `earlier` holds the times, by number, of
-    those the unit's admissions may read, its own added as it makes them."""
+    those the unit's admissions may read, its own added as it makes them, which `made`
+    keeps for `record_admissions`."""
 
     scope: str
     limit: RateLimit
     next: int
     earlier: dict[int, dt.datetime]
+    made: list[tuple[int, dt.datetime, str, str]] = field(default_factory=list)
 
     def _counted_against(self) -> dt.datetime | None:
         return self.earlier.get(self.next - self.limit.count)
@@ -80,10 +82,11 @@ class Room:
         before = self._counted_against()
         return before is not None and before > now - self.limit.window
 
-    def take(self, at: dt.datetime) -> int:
-        """The number of the admission made now."""
+    def take(self, at: dt.datetime, invocation_id: str, attempt_id: str) -> int:
+        """The number of the admission made now, of this attempt."""
         number, self.next = self.next, self.next + 1
         self.earlier[number] = at
+        self.made.append((number, at, invocation_id, attempt_id))
         return number
 
     def refusal(self, now: dt.datetime) -> dict[str, Any]:
@@ -157,21 +160,22 @@ def rooms(limits: Mapping[str, RateLimit], most: Mapping[str, int]) -> dict[str,
     return found
 
 
-def record_admissions(admitted: Sequence[RateAdmission], rooms: Mapping[str, Room]) -> None:
+def record_admissions(rooms: Mapping[str, Room]) -> None:
     """The admissions a unit made under enforced limits, for the next units to read;
     of each capability only the newest `count` are kept, all a next one may read."""
     with connection.cursor() as cursor:
-        for scope in sorted({admission.scope for admission in admitted}):
-            made = [admission for admission in admitted if admission.scope == scope]
+        for scope in sorted(scope for scope, room in rooms.items() if room.made):
+            room = rooms[scope]
+            numbers, times, invocations, attempts = zip(*room.made, strict=True)
             cursor.execute(
                 KEPT,
                 {
                     "scope": scope,
-                    "last": rooms[scope].next - 1,
-                    "count": rooms[scope].limit.count,
-                    "numbers": [admission.number for admission in made],
-                    "times": [admission.admitted_at for admission in made],
-                    "invocations": [admission.invocation_id for admission in made],
-                    "attempts": [admission.attempt_id for admission in made],
+                    "last": room.next - 1,
+                    "count": room.limit.count,
+                    "numbers": list(numbers),
+                    "times": list(times),
+                    "invocations": list(invocations),
+                    "attempts": list(attempts),
                 },
             )

@@ -34,7 +34,6 @@ from ledger.models import (
     Event,
     Invocation,
     Outcome,
-    RateAdmission,
     Runtime,
 )
 
@@ -216,10 +215,9 @@ class _Work:
     unnamed: set[str] = field(default_factory=set)
     # Off only for restore_projection, which loads a row that disagrees to put it back.
     checks_projection: bool = True
-    # What the enforced rate limits of the unit's capabilities leave it, by scope, and
+    # What the enforced rate limits of the unit's capabilities leave it, by scope, with
     # the admissions it made under them (`ledger.rate_enforcement`).
     rate_rooms: dict[str, rate_enforcement.Room] = field(default_factory=dict)
-    rate_admitted: list[RateAdmission] = field(default_factory=list)
 
     # Loading ---------------------------------------------------------------
 
@@ -480,15 +478,7 @@ def _admit(work: _Work, invocation: Invocation, attempt_id: str, actor: str) -> 
     work.attempts[invocation.invocation_id][attempt_id] = attempt
     work.new_attempts.append(attempt)
     if room := work.rate_rooms.get(invocation.capability_scope):
-        work.rate_admitted.append(
-            RateAdmission(
-                scope=room.scope,
-                number=room.take(work.now),
-                admitted_at=work.now,
-                invocation_id=invocation.invocation_id,
-                attempt_id=attempt_id,
-            )
-        )
+        room.take(work.now, invocation.invocation_id, attempt_id)
     work.event(
         invocation,
         "attempt_admitted",
@@ -868,7 +858,7 @@ def _apply_once(
         # order of their times, as the window judges them, however long the wait was.
         work.now = timezone.now()
         results = _applied(work, items, assumed_new=known is not None)
-        rate_enforcement.record_admissions(work.rate_admitted, work.rate_rooms)
+        rate_enforcement.record_admissions(work.rate_rooms)
         return results
 
 

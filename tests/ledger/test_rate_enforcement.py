@@ -79,7 +79,7 @@ def test_an_admission_is_judged_by_the_one_count_numbers_before_it() -> None:
     assert room.full(t0 + dt.timedelta(seconds=59))
     assert room.refusal(t0 + dt.timedelta(seconds=59))["retry_after_seconds"] == 1
     assert not room.full(t0 + dt.timedelta(seconds=60))  # the window is (now - 1m, now]
-    assert room.take(t0 + dt.timedelta(seconds=60)) == 3
+    assert room.take(t0 + dt.timedelta(seconds=60), "inv-3", "a1") == 3
     assert not room.full(t0 + dt.timedelta(seconds=60))  # the fourth reads the second: none
     fresh = Room("refund.create", limit, next=1, earlier={})
     assert not fresh.full(t0)
