@@ -11,7 +11,7 @@ from django.db import transaction
 from django.db.models import Count, Max, QuerySet
 from django.template.defaultfilters import pluralize
 
-from ledger import acc
+from ledger import acc, rate_enforcement
 from ledger.chain import digest
 from ledger.models import AdminAction, Capability, CapabilityDeclaration, Invocation
 from ledger.policy import Flag
@@ -86,9 +86,11 @@ def capability_register(*, declaration: acc.Declaration, source: str, actor: str
         return Registration(capability, Registered.UNCHANGED)
     outcome = Registered.CREATED if capability is None else Registered.UPDATED
     capability = capability or Capability(scope=declaration.scope)
+    enforced_before = _enforced_limit(capability)
     _apply(capability, declaration)
     capability.version += 1
     capability.save()
+    _renumber_if_changed(capability, enforced_before)
     CapabilityDeclaration.objects.create(
         capability=capability,
         version=capability.version,
@@ -140,6 +142,18 @@ def settings_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     }
 
 
+def _enforced_limit(capability: Capability) -> rate_enforcement.RateLimit | None:
+    return rate_enforcement.enforced_limits([capability]).get(capability.scope)
+
+
+def _renumber_if_changed(capability: Capability, before: rate_enforcement.RateLimit | None) -> None:
+    """Count the admissions already made against a limit the ledger now enforces (or
+    enforces otherwise): turned on mid-window, it would otherwise let up to twice the
+    limit through in its first window."""
+    if (limit := _enforced_limit(capability)) != before:
+        rate_enforcement.renumber(capability.scope, limit)
+
+
 class ReasonRequired(ValueError):
     """A capability's settings change the retry decision, redaction or reconciliation
     of every later invocation: whoever changes them says why."""
@@ -157,6 +171,7 @@ def capability_settings_change(
         raise TypeError(f"not ledger settings: {', '.join(sorted(unknown))}")
     capability = Capability.objects.select_for_update().get(scope=scope)
     before = settings_of(capability)
+    enforced_before = _enforced_limit(capability)
     for name, value in settings.items():
         setattr(capability, name, value)
     capability.full_clean(exclude=[*DECLARED_FIELDS, "scope", "declaration", "version"])
@@ -167,6 +182,7 @@ def capability_settings_change(
     if not reason.strip():
         raise ReasonRequired("say why the settings change: the reason is kept with it")
     capability.save(update_fields=[*changed, "updated_at"])
+    _renumber_if_changed(capability, enforced_before)
     AdminAction.record(
         actor=actor,
         action=SETTINGS_CHANGED,

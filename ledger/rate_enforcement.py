@@ -12,6 +12,11 @@ these capabilities only, the newest `count` of each), so that judging one reads 
 row, the admission `count` numbers before it (`Room`), however large the limit. Units
 of other capabilities neither wait nor read: the one-statement write path is theirs
 as before.
+
+When the limit a capability is held to changes (enforcement turned on, or a new
+declaration while it is on), its admissions are numbered anew from the evidence
+(`renumber`): those made within the window before enforcement began count against the
+first window as much as the ones after.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import connection
+from django.utils import timezone
 
-from ledger.models import Capability
+from ledger.models import Capability, Event, RateAdmission
 
 # The advisory lock of a capability's admissions, with its scope after it.
 LOCK = "ledger.rate_limit:"
@@ -179,3 +185,35 @@ def record_admissions(rooms: Mapping[str, Room]) -> None:
                     "attempts": list(attempts),
                 },
             )
+
+
+def renumber(scope: str, limit: RateLimit | None) -> None:
+    """Number the capability's admissions anew, for the limit it is now held to (None:
+    none): the newest `count` made within its window, read from their
+    `attempt_admitted` events, become the numbers a next admission is judged by.
+
+    Called in the transaction that changes the limit, under the capability's lock, so
+    no enforced admission is numbered meanwhile. An admission whose unit read the
+    capability before the change committed and wrote after this read is not counted:
+    the rate watch still judges it."""
+    with connection.cursor() as cursor:
+        cursor.execute(LOCKED, [LOCK + scope])
+    RateAdmission.objects.filter(scope=scope).delete()
+    if limit is None:
+        return
+    # Through event_created_at: the events of one window, not every admission made.
+    recent = (
+        Event.objects.filter(
+            kind="attempt_admitted",
+            created_at__gt=timezone.now() - limit.window,
+            invocation__capability_scope=scope,
+        )
+        .order_by("-created_at", "-id")
+        .values_list("created_at", "invocation__invocation_id", "data__attempt_id")
+    )[: limit.count]
+    RateAdmission.objects.bulk_create(
+        RateAdmission(
+            scope=scope, number=number, admitted_at=at, invocation_id=invocation, attempt_id=attempt
+        )
+        for number, (at, invocation, attempt) in enumerate(reversed(recent), start=1)
+    )

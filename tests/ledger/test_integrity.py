@@ -618,8 +618,9 @@ def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidenc
             scope="refund.create", actor="user:ada", reason="the role's check", max_attempts=2
         )
         assert verify().ok
-        # An enforced rate limit: its lock, its count, its row kept and old ones let go.
-        registered("refund.create", rate_limit={"count": 5, "window": "1m"})
+        # An enforced rate limit: the admissions already made in its window numbered
+        # (five: inv-1, 2, 3, 9 and 10), its lock, its count, its row kept.
+        registered("refund.create", rate_limit={"count": 10, "window": "1m"})
         capability_settings_change(
             scope="refund.create", actor="user:ada", reason="the role's check",
             rate_limit_enforced=True,
@@ -627,7 +628,7 @@ def test_the_readmes_application_role_runs_the_ledger_and_cannot_rewrite_evidenc
         assert (
             ledger.intent(invocation_id="inv-11", idempotency_key="k-11", attempt_id="a1")[0] == 201
         )
-        assert RateAdmission.objects.count() == 1
+        assert RateAdmission.objects.count() == 6
         settings.LEDGER_ANCHOR_URL = anchor_store.url
         assert anchor_newest() is not None
         cache.set("role-check", 1)

@@ -28,7 +28,7 @@ from ledger.models import (
 from ledger.rate_enforcement import RateLimit, Room
 from ledger.rate_limits import watch_rate_limits
 from tests.conftest import Api, person, registered
-from tests.ledger.conftest import superuser_sql
+from tests.ledger.conftest import ledger_clock_at, superuser_sql
 from tests.ledger.test_concurrency import race
 
 
@@ -147,15 +147,71 @@ def test_turned_on_it_counts_from_then_whatever_the_web_process_remembered(
     api: Api, db: None
 ) -> None:
     """The process remembers the capability as it read it, not enforced: the write
-    finds it changed, and the intent is read and applied again, under the limit. What
-    was admitted before it was turned on is not counted."""
+    finds it changed, and the intent is read and applied again, under the limit."""
     registered("refund.create", rate_limit={"count": 1, "window": "1h"})
     assert [intent(api, n)[0] for n in (1, 2)] == [201, 201]  # remembered as it is
     capability_settings_change(
         scope="refund.create", actor="user:ada", reason="now", rate_limit_enforced=True
     )
-    assert [intent(api, n)[0] for n in (3, 4)] == [201, 429]
-    assert list(RateAdmission.objects.values_list("invocation_id", flat=True)) == ["inv-3"]
+    assert intent(api, 3)[0] == 429
+    assert list(RateAdmission.objects.values_list("invocation_id", flat=True)) == ["inv-2"]
+
+
+def test_admissions_made_before_it_was_turned_on_count_against_its_first_window(
+    api: Api, db: None
+) -> None:
+    """Turned on mid-window, the limit counts the admissions already made in the window,
+    the newest `count` of them, read from the evidence: not up to twice the limit."""
+    registered("refund.create", rate_limit={"count": 3, "window": "1h"})
+    now = dt.datetime.now(dt.UTC)
+    with ledger_clock_at(now - dt.timedelta(minutes=61)):
+        assert intent(api, 1)[0] == 201  # out of the window by the time it is turned on
+    with ledger_clock_at(now - dt.timedelta(minutes=30)):
+        assert [intent(api, n)[0] for n in (2, 3)] == [201, 201]
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="now", rate_limit_enforced=True
+    )
+    kept = RateAdmission.objects.order_by("number").values_list("number", "invocation_id")
+    assert list(kept) == [(1, "inv-2"), (2, "inv-3")]
+    assert intent(api, 4)[0] == 201
+    status, body = intent(api, 5)
+    assert (status, body["error"]["type"]) == (429, "rate_limited")
+    # Counted against inv-2, which leaves the window half an hour from now.
+    assert 1700 < body["error"]["details"]["retry_after_seconds"] <= 1800
+
+
+def test_turned_off_it_keeps_no_numbers_and_turned_on_again_counts_what_it_missed(
+    api: Api, db: None
+) -> None:
+    enforced(count=2, window="1h")
+    assert intent(api, 1)[0] == 201
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="off", rate_limit_enforced=False
+    )
+    assert not RateAdmission.objects.exists()
+    assert intent(api, 2)[0] == 201  # not numbered: nothing is enforced
+    assert not RateAdmission.objects.exists()
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="on", rate_limit_enforced=True
+    )
+    assert intent(api, 3)[0] == 429
+
+
+def test_a_new_declaration_is_judged_by_the_admissions_in_its_own_window(
+    api: Api, db: None
+) -> None:
+    """Once a minute, then twice an hour: the admissions kept for the old limit (its
+    newest one) would not show the two already made in the last hour."""
+    enforced(count=1, window="1m")
+    now = dt.datetime.now(dt.UTC)
+    for n, minutes_ago in [(1, 10), (2, 5)]:
+        with ledger_clock_at(now - dt.timedelta(minutes=minutes_ago)):
+            assert intent(api, n)[0] == 201
+    assert list(RateAdmission.objects.values_list("invocation_id", flat=True)) == ["inv-2"]
+    registered("refund.create", rate_limit={"count": 2, "window": "1h"})
+    assert intent(api, 3)[0] == 429
+    kept = RateAdmission.objects.order_by("number").values_list("number", "invocation_id")
+    assert list(kept) == [(1, "inv-1"), (2, "inv-2")]
 
 
 def test_capabilities_not_enforced_take_no_lock_and_read_no_count(api: Api, db: None) -> None:
