@@ -804,7 +804,9 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
     while True:
         try:
             with _unit_scope(races, {item.invocation_id for item in items}):
-                return _apply_once(runtime, items, known)
+                results = _apply_once(runtime, items, known)
+            _log_rate_limited(runtime, results)
+            return results
         except _ReadFirst:
             known = None  # a refusal is only answered from what was read
         except store.RaceLost:
@@ -822,6 +824,15 @@ def apply_evidence(*, runtime: Runtime, items: Sequence[EvidenceInput]) -> list[
                     "it is safe to send the same request again.",
                     status=503,
                 ) from None
+
+
+def _log_rate_limited(runtime: Runtime, results: Sequence[ItemResult]) -> None:
+    """One line a unit for the admissions an enforced rate limit refused, by capability:
+    a refusal records nothing, and the access log says only 429, not whose limit."""
+    refused = [r for r in results if isinstance(r, LedgerError) and r.type == "rate_limited"]
+    by_capability = Counter(error.details["capability"] for error in refused)
+    for scope, count in by_capability.items():
+        log.info("rate limited runtime=%s capability=%s refused=%d", runtime.name, scope, count)
 
 
 def _unit_scope(races: int, invocation_ids: set[str]) -> AbstractContextManager[None]:

@@ -46,7 +46,9 @@ def intent(api: Api, n: int, scope: str = "refund.create") -> tuple[int, dict]:
     )
 
 
-def test_the_attempt_beyond_the_limit_is_refused_with_when_to_ask_again(api: Api, db: None) -> None:
+def test_the_attempt_beyond_the_limit_is_refused_with_when_to_ask_again(
+    api: Api, db: None, caplog: pytest.LogCaptureFixture
+) -> None:
     enforced(count=2, window="1h")
     assert [intent(api, n)[0] for n in (1, 2)] == [201, 201]
     response = api.client.post(
@@ -68,6 +70,9 @@ def test_the_attempt_beyond_the_limit_is_refused_with_when_to_ask_again(api: Api
     assert not Invocation.objects.filter(invocation_id="inv-3").exists()
     assert Attempt.objects.count() == 2
     assert RateAdmission.objects.count() == 2
+    # The log says whose limit refused whom: the access log says only 429.
+    refusals = [message for message in caplog.messages if message.startswith("rate limited")]
+    assert refusals == ["rate limited runtime=runtime-a capability=refund.create refused=1"]
 
 
 def test_an_admission_is_judged_by_the_one_count_numbers_before_it() -> None:
@@ -125,7 +130,9 @@ def test_the_window_slides_and_every_runtime_counts(api: Api, api_b: Api, db: No
     assert intent(api, 4)[0] == 429
 
 
-def test_a_batch_is_refused_item_by_item_past_the_limit(api: Api, db: None) -> None:
+def test_a_batch_is_refused_item_by_item_past_the_limit(
+    api: Api, db: None, caplog: pytest.LogCaptureFixture
+) -> None:
     enforced(count=2)
     registered("order.read", readonly=True)
     items = [
@@ -137,6 +144,7 @@ def test_a_batch_is_refused_item_by_item_past_the_limit(api: Api, db: None) -> N
     status, body = api.post("/api/v1/evidence", items)
     assert status == 207
     assert [result["status"] for result in body["results"]] == [201, 201, 201, 429, 201]
+    assert "rate limited runtime=runtime-a capability=refund.create refused=1" in caplog.messages
     assert body["results"][3]["body"]["error"]["type"] == "rate_limited"
     assert sorted(Invocation.objects.values_list("invocation_id", flat=True)) == [
         "inv-0", "inv-1", "inv-2", "inv-4",
