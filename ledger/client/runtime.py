@@ -326,8 +326,9 @@ class AsyncLedgerClient:
     One client serves any number of invocations at once on its loop. A task cancelled
     while its tool runs (by `asyncio.timeout` around `invoke`, say) ends without
     waiting for the ledger: the outcome saying so is sent in a task of its own, which
-    `aclose` waits for (and kept in the spool, if there is one). A TimeoutError raised
-    inside the tool, by a bound on its own wait, is an outcome like any other.
+    `aclose`, or the loop's shutdown for a client never closed, waits for (and kept in
+    the spool, if there is one). A TimeoutError raised inside the tool, by a bound on
+    its own wait, is an outcome like any other.
 
     The spool's automatic delivery runs in a task of its own as well: a call returns
     as soon as its outcome is recorded, so neither the spool's backlog nor a caller's
@@ -353,8 +354,12 @@ class AsyncLedgerClient:
         # on their way (`Leave`): tasks of their own, which aclose waits for.
         self._delivering: asyncio.Task[None] | None = None
         self._leaving: set[asyncio.Task[None]] = set()
+        # Set by aclose before it gives up on what it waited for: an abandoned call's
+        # send cancelled otherwise is cancelled by the loop's shutdown.
+        self._closing = False
 
     async def aclose(self) -> None:
+        self._closing = True
         running = {*self._leaving, *([self._delivering] if self._delivering else [])}
         if running:
             # Given one request's time, then given up: a cancelled delivery stops at the
@@ -507,10 +512,25 @@ class AsyncLedgerClient:
         try:
             why = await self._run(self.protocol.delivered(record))
         except asyncio.CancelledError:
-            # By aclose, after one request's time, or by the loop's shutdown (a client
-            # never closed): the log still tells that the ledger may not have it.
-            _report_left(record, "cancelled before the ledger answered", bool(self.spool))
-            raise
+            if self._closing:
+                # By aclose, after one request's time: the log still tells that the
+                # ledger may not have it.
+                _report_left(record, "cancelled before the ledger answered", bool(self.spool))
+                raise
+            why = await self._left_at_shutdown(record)
         except Exception as exc:  # the client closed under it, as in LedgerClient._left
             why = f"{type(exc).__name__}: {exc}"
         _report_left(record, why, bool(self.spool))
+
+    async def _left_at_shutdown(self, record: Record) -> str | Refused | None:
+        """The send cancelled by the loop's shutdown, of a client never closed (which
+        waits for these tasks, once cancelled, before it closes): sent again and given
+        one request's time, as a blocking client's exit gives it (a replay, if the
+        first reached the ledger)."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await self._run(self.protocol.delivered(record))
+        except TimeoutError:
+            return "cancelled by the loop's shutdown, and not answered within the timeout"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"

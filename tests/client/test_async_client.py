@@ -310,6 +310,32 @@ def test_a_cancelled_invocation_is_kept_as_unknown_and_delivered_after_the_next_
     )
 
 
+def test_a_cancelled_invocations_outcome_is_sent_though_the_client_is_never_closed(
+    live_server: Any, token: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No spool, and the runtime returns without closing its client: the loop's
+    shutdown cancels the outcome's send, which it then waits for, as a blocking
+    client's exit does. Before, the send was cancelled and the attempt stayed in flight
+    until the sweep flagged it."""
+
+    async def hangs(context: CallContext) -> None:
+        await asyncio.Event().wait()
+
+    async def journey() -> None:
+        client = AsyncLedgerClient(live_server.url, token)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(1):
+                await invoke(client, hangs)
+        # Returns at once: the send has not had its answer yet.
+        assert len(client._leaving) == 1
+
+    run(journey)
+    outcome = Outcome.objects.get()
+    assert (outcome.kind, outcome.error_code) == ("post_dispatch_evidence_failed", "CancelledError")
+    assert Invocation.objects.get().cause == "evidence_reported_lost"
+    assert [r for r in caplog.records if r.name == "ledger.client"] == []
+
+
 class StallsOutcomes(httpx.AsyncHTTPTransport):
     """The ledger does not answer an outcome report, as behind a stalled proxy, until
     the test releases it."""
