@@ -187,6 +187,13 @@ def record_admissions(rooms: Mapping[str, Room]) -> None:
             )
 
 
+def admitted_in_window(scope: str, limit: RateLimit) -> int:
+    """How many admissions the enforced limit counts now: all of them are among the
+    newest `count` kept, since no more than `count` are ever admitted in a window."""
+    since = timezone.now() - limit.window
+    return RateAdmission.objects.filter(scope=scope, admitted_at__gt=since).count()
+
+
 def renumber(scope: str, limit: RateLimit | None) -> None:
     """Number the capability's admissions anew, for the limit it is now held to (None:
     none): the newest `count` made within its window, read from their

@@ -26,7 +26,7 @@ from django.views.decorators.http import require_GET
 from kombu import Connection
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ledger import anchors
+from ledger import anchors, rate_enforcement
 from ledger.api.errors import error_body
 from ledger.audit import (
     AuditFilterForm,
@@ -317,8 +317,12 @@ def capability_list(request: HttpRequest) -> HttpResponse:
 def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
     """One capability: its declaration and settings in force, and how they came to be."""
     capability = get_object_or_404(Capability, scope=scope)
+    enforced = rate_enforcement.enforced_limits([capability]).get(scope)
     context = {
         "capability": capability,
+        "admitted_in_window": (
+            rate_enforcement.admitted_in_window(scope, enforced) if enforced else None
+        ),
         "history": capability_history(scope),
         "declarations": capability.declarations.order_by("-version"),
         "rate_watch": RateWatch.objects.filter(scope=scope).first(),

@@ -274,10 +274,14 @@ def test_a_settings_change_recorded_before_the_setting_existed_verifies(db: None
     assert [b.found for b in verify().breaks] == ["rate_limit_enforced true"]
 
 
-def test_the_capability_page_says_whether_it_is_enforced(db: None) -> None:
+def test_the_capability_page_says_whether_it_is_enforced_and_how_full_it_is(
+    api: Api, db: None
+) -> None:
     enforced(count=2, window="1h")
+    assert intent(api, 1)[0] == 201
     page = person("carl", "compliance").get("/audit/capabilities/refund.create/").content.decode()
     assert "2 per 1h, as declared: enforced, an attempt beyond it refused at admission" in page
+    assert "nothing recorded), 1 of 2 admitted in the last 1h;" in page
 
 
 @pytest.mark.django_db(transaction=True)
