@@ -13,7 +13,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils.cache import add_never_cache_headers
 from django.utils.html import format_html
 
-from ledger import acc
+from ledger import acc, rate_enforcement
 from ledger.capabilities import (
     DECLARED_FIELDS,
     SETTINGS,
@@ -82,6 +82,8 @@ class CapabilityAdmin(admin.ModelAdmin):
             **{name: form.cleaned_data[name] for name in SETTINGS},
         )
         obj.refresh_from_db()
+        if "rate_limit_enforced" in form.changed_data and obj.rate_limit_enforced:
+            self._tell_what_is_enforced(request, obj)
         if "probe" in form.changed_data and obj.probe.get("kind") == "http":
             self.message_user(
                 request,
@@ -113,6 +115,27 @@ class CapabilityAdmin(admin.ModelAdmin):
                 ),
                 messages.WARNING,
             )
+
+    def _tell_what_is_enforced(self, request: HttpRequest, capability: Capability) -> None:
+        """What the setting just turned on holds the capability to: the admissions
+        already made in the window count against it."""
+        limit = rate_enforcement.enforced_limits([capability]).get(capability.scope)
+        if limit is None:
+            self.message_user(
+                request,
+                "Its declaration declares no execution.rate_limit: nothing is enforced "
+                "until a declaration that does is registered.",
+                messages.WARNING,
+            )
+            return
+        count, window = limit.declared["count"], limit.declared["window"]
+        admitted = rate_enforcement.admitted_in_window(capability.scope, limit)
+        self.message_user(
+            request,
+            f"Enforced from now: {admitted} of {count} admissions in the last {window} were "
+            "made already and count against it.",
+            messages.WARNING if admitted >= count else messages.INFO,
+        )
 
     def get_urls(self) -> list[URLPattern]:
         view = self.admin_site.admin_view(self.import_view)

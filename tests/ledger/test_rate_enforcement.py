@@ -298,19 +298,41 @@ def test_of_ten_concurrent_admissions_under_a_limit_of_three_three_are_admitted(
     assert Event.objects.filter(kind="attempt_admitted").count() == 3
 
 
-def test_an_admin_turns_it_on_in_the_admin_and_says_why(admin_client: Client) -> None:
+TURNED_ON = {
+    "idempotency_verified": "", "max_attempts": "", "grace_ms": "", "redact_paths": "",
+    "probe": "{}", "rate_limit_enforced": "on",
+    "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
+}  # fmt: skip
+
+
+def test_an_admin_turns_it_on_in_the_admin_says_why_and_is_told_how_full_it_is(
+    admin_client: Client, api: Api
+) -> None:
     capability = registered("refund.create", rate_limit={"count": 2, "window": "1h"})
+    assert intent(api, 1)[0] == 201
     url = f"/admin/ledger/capability/{capability.pk}/change/"
-    form = {
-        "idempotency_verified": "", "max_attempts": "", "grace_ms": "", "redact_paths": "",
-        "probe": "{}", "rate_limit_enforced": "on",
-        "declarations-TOTAL_FORMS": 0, "declarations-INITIAL_FORMS": 0,
-    }  # fmt: skip
-    assert "Say why rate_limit_enforced change" in admin_client.post(url, form).content.decode()
-    form["reason"] = "payments allows 2 an hour"
-    assert admin_client.post(url, form).status_code == 302
+    refused = admin_client.post(url, TURNED_ON).content.decode()
+    assert "Say why rate_limit_enforced change" in refused
+    saved = admin_client.post(url, TURNED_ON | {"reason": "payments allows 2 an hour"}, follow=True)
+    assert saved.redirect_chain[0][1] == 302
+    told = [str(message) for message in saved.context["messages"]]
+    assert "Enforced from now: 1 of 2 admissions in the last 1h were made already" in told[0]
     capability.refresh_from_db()
     assert capability.rate_limit_enforced
     change = AdminAction.objects.get(action=SETTINGS_CHANGED)
     assert change.details["changed"] == {"rate_limit_enforced": {"from": False, "to": True}}
     assert change.reason == "payments allows 2 an hour"
+
+
+def test_turned_on_for_a_capability_that_declares_no_limit_the_admin_is_warned(
+    admin_client: Client,
+) -> None:
+    capability = registered("refund.create")
+    url = f"/admin/ledger/capability/{capability.pk}/change/"
+    saved = admin_client.post(url, TURNED_ON | {"reason": "before the declaration"}, follow=True)
+    told = [(message.level_tag, str(message)) for message in saved.context["messages"]]
+    assert (
+        "warning",
+        "Its declaration declares no execution.rate_limit: nothing is enforced until a "
+        "declaration that does is registered.",
+    ) in told
