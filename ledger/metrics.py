@@ -42,6 +42,10 @@ several workers would each hold a different part of.
   ledger, so that they wait for an admin before they can be flagged, and
   `ledger_shared_references_unrecorded`: the same for the reference watch's flags
   (ledger/shared_references.py).
+- `ledger_rate_limit_window_admissions{capability}` and `ledger_rate_limit_window_count
+  {capability}`: for each capability whose declared rate limit the ledger enforces, the
+  admissions its window holds now and the most it may (ledger/rate_enforcement.py): at
+  the count, its admissions are refused, which nothing else records.
 - `ledger_event_partitions_ahead`: month partitions of the event table made for months
   after the current one (beat keeps three; alert below one), and
   `ledger_events_unpartitioned`: events that found no month partition and went to the
@@ -63,7 +67,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ledger import anchors, policy
+from ledger import anchors, policy, rate_enforcement
 from ledger.capabilities import probes_concluding_nothing
 from ledger.integrity import newest_passes
 from ledger.models import (
@@ -463,6 +467,7 @@ class LedgerCollector(Collector):
             "an admin.",
             value=work.reference_flags_unrecorded,
         )
+        yield from _enforced_rate_limits(rate_enforcement.windows_now())
         verification = GaugeMetricFamily(
             "ledger_verification_breaks",
             "Breaks found by background verification: chains, replays, rows or seals that "
@@ -511,6 +516,26 @@ def _counted(
     for value, n in sorted(counts):
         family.add_metric([value], n)
     return family
+
+
+def _enforced_rate_limits(windows: Iterable[rate_enforcement.Window]) -> Iterator[Metric]:
+    admitted = GaugeMetricFamily(
+        "ledger_rate_limit_window_admissions",
+        "Attempts admitted within the current window of each capability whose declared "
+        "rate limit the ledger enforces: at its count, runtimes' admissions are refused "
+        "(429 rate_limited) until one leaves the window.",
+        labels=["capability"],
+    )
+    count = GaugeMetricFamily(
+        "ledger_rate_limit_window_count",
+        "The declared count of each enforced rate limit: the admissions its window holds.",
+        labels=["capability"],
+    )
+    for window in windows:
+        admitted.add_metric([window.scope], window.admitted)
+        count.add_metric([window.scope], window.limit.count)
+    yield admitted
+    yield count
 
 
 def _probe_runs(counts: Iterable[tuple[str, str, int]]) -> GaugeMetricFamily:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db import connection
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from ledger.models import Capability, Event, RateAdmission
@@ -185,6 +186,29 @@ def record_admissions(rooms: Mapping[str, Room]) -> None:
                     "attempts": list(attempts),
                 },
             )
+
+
+@dataclass(frozen=True)
+class Window:
+    scope: str
+    limit: RateLimit
+    # The admissions the limit counts now: at `limit.count`, the next is refused.
+    admitted: int
+
+
+def windows_now() -> list[Window]:
+    """Each enforced limit's window as it stands now, by scope: one statement for all
+    of them (/metrics)."""
+    limits = enforced_limits(Capability.objects.filter(rate_limit_enforced=True))
+    if not limits:
+        return []
+    since = timezone.now()
+    counted = Q()
+    for scope, limit in limits.items():
+        counted |= Q(scope=scope, admitted_at__gt=since - limit.window)
+    rows = RateAdmission.objects.filter(counted).values_list("scope").annotate(Count("id"))
+    admitted = dict(rows)
+    return [Window(scope, limit, admitted.get(scope, 0)) for scope, limit in sorted(limits.items())]
 
 
 def admitted_in_window(scope: str, limit: RateLimit) -> int:

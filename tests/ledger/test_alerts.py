@@ -33,7 +33,7 @@ def test_the_rules_are_valid_and_pass_their_unit_tests() -> None:
 
 def test_every_alert_has_a_severity_and_says_what_to_do() -> None:
     rules = [rule for group in load("alerts.yml")["groups"] for rule in group["rules"]]
-    assert len(rules) == 9
+    assert len(rules) == 10
     for rule in rules:
         assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
         assert rule["annotations"]["summary"] and rule["annotations"]["description"]

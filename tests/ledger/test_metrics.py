@@ -14,6 +14,7 @@ from pytest_django import DjangoAssertNumQueries
 from pytest_django.fixtures import Settings
 
 from ledger import metrics
+from ledger.capabilities import capability_settings_change
 from ledger.integrity import seal_events, verify_next_slice
 from ledger.metrics import exposition
 from ledger.models import REOPENED_CLAIM_KINDS, Capability, Event, Invocation, Seal
@@ -110,8 +111,37 @@ def test_a_scrape_costs_the_same_statements_however_much_is_recorded(
     seal_events()
     verify_next_slice(invocations=2)
     watch_shared_references()
-    with django_assert_num_queries(14):
+    with django_assert_num_queries(15):
         scrape(client)
+
+
+def test_each_enforced_rate_limits_window_is_counted(
+    api: Api, client: Client, django_assert_num_queries: DjangoAssertNumQueries
+) -> None:
+    """Refusals record nothing: a window at its count is what shows them."""
+    for scope, count in [("refund.create", 2), ("payout.create", 5), ("order.cancel", 3)]:
+        registered(scope, rate_limit={"count": count, "window": "1h"})
+    for scope in ("refund.create", "payout.create"):
+        capability_settings_change(
+            scope=scope, actor="user:ada", reason="the business system's", rate_limit_enforced=True
+        )
+    for n in range(3):
+        api.intent(invocation_id=f"inv-{n}", idempotency_key=f"k-{n}", attempt_id="a1")
+    api.intent(invocation_id="inv-p", capability="payout.create", idempotency_key="k-p",
+               attempt_id="a1")  # fmt: skip
+    with django_assert_num_queries(17):  # both windows in one statement
+        figures = scrape(client)
+    windows = {
+        (name, dict(labels)["capability"]): value
+        for (name, labels), value in figures.items()
+        if name.startswith("ledger_rate_limit_window_")
+    }
+    assert windows == {
+        ("ledger_rate_limit_window_admissions", "refund.create"): 2,  # the third was refused
+        ("ledger_rate_limit_window_count", "refund.create"): 2,
+        ("ledger_rate_limit_window_admissions", "payout.create"): 1,
+        ("ledger_rate_limit_window_count", "payout.create"): 5,
+    }
 
 
 def test_shared_references_of_the_last_hour_are_counted_by_kind(
@@ -205,9 +235,9 @@ def test_a_row_the_sweep_refuses_is_counted_apart_and_does_not_make_it_behind(
     refuses it until an admin restores it, which is no sign that beat stopped."""
     deadline = refused_and_due(api)
 
-    # The fourteen, the first event's time (no seal yet), and the oldest overdue rows
+    # The fifteen, the first event's time (no seal yet), and the oldest overdue rows
     # with their events.
-    with django_assert_num_queries(16):
+    with django_assert_num_queries(17):
         just_due = samples(exposition(now=deadline + dt.timedelta(seconds=5)))
     assert just_due[("ledger_invocations_overdue", ())] == 2
     assert just_due[("ledger_invocations_overdue_oldest_seconds", ())] == 605
@@ -300,9 +330,9 @@ def test_a_rate_watch_that_stopped_is_reported_behind_and_waiting_breaches_count
     assert sealed is not None
     at = sealed.created_at
     watch_shared_references()
-    # The fourteen, the oldest overdue rows (the attempts are overdue by then), and the
+    # The fifteen, the oldest overdue rows (the attempts are overdue by then), and the
     # seal the watch should have read past.
-    with django_assert_num_queries(16):
+    with django_assert_num_queries(17):
         assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "rate_watch") == 0
     stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "rate_watch") == 1
@@ -349,8 +379,8 @@ def test_a_reference_watch_that_stopped_is_reported_behind_and_waiting_flags_cou
     assert sealed is not None
     at = sealed.created_at
     assert behind(samples(exposition(now=at + dt.timedelta(minutes=9))), "reference_watch") == 0
-    # The fourteen, and the seal the watch should have read past: it has read none.
-    with django_assert_num_queries(15):
+    # The fifteen, and the seal the watch should have read past: it has read none.
+    with django_assert_num_queries(16):
         stalled = samples(exposition(now=at + dt.timedelta(minutes=11)))
     assert behind(stalled, "reference_watch") == 1
     superuser_sql(
