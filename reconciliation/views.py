@@ -25,7 +25,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from kombu.exceptions import OperationalError as KombuOperationalError
 
-from ledger import chain, policy
+from ledger import chain, policy, rate_enforcement
 from ledger.audit import invocations_naming
 from ledger.bundles import archive_name
 from ledger.capabilities import awaiting_its_probe, probes_concluding_nothing
@@ -617,6 +617,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "probes": probe_runs_per_capability(probe_run_counts(hour_ago))[:PROBED_CAPABILITIES_SHOWN],
         "reopened_claims": reopened_claim_counts(hour_ago),
         "probes_concluding_nothing": probes_concluding_nothing(),
+        "rate_windows": rate_enforcement.windows_now(),
         "shared_references": Event.objects.filter(
             NAMES_A_SHARED_REFERENCE, created_at__gte=hour_ago
         ).count(),

@@ -859,6 +859,22 @@ def test_the_dashboard_shows_the_rate_watch_once_a_limit_is_declared(
     ) in caught_up
 
 
+def test_the_dashboard_shows_each_enforced_rate_limits_window_and_when_it_is_full(
+    api: Api, operator: Client
+) -> None:
+    registered("refund.create", rate_limit={"count": 2, "window": "1h"})
+    assert 'id="rate-limits"' not in operator.get("/dashboard/").content.decode()
+    capability_settings_change(
+        scope="refund.create", actor="user:ada", reason="payments' limit", rate_limit_enforced=True
+    )
+    api.intent(invocation_id="inv-1", idempotency_key="k-1", attempt_id="a1")
+    assert "1 of 2 in the last 1h</td>" in dashboard_card(operator, "rate-limits")
+    api.intent(invocation_id="inv-2", idempotency_key="k-2", attempt_id="a1")
+    full = dashboard_card(operator, "rate-limits")
+    assert '<tr class="behind">' in full
+    assert "2 of 2 in the last 1h: full, admissions refused</td>" in full
+
+
 def test_the_dashboard_shows_the_reference_watch_and_the_flags_waiting_for_an_admin(
     api: Api, refund: Capability, operator: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
