@@ -50,10 +50,17 @@ class CapabilityAdmin(admin.ModelAdmin):
         "risk_level",
         "readonly",
         "idempotency_verified",
+        "rate_limit_enforced",
         "audit_sensitive",
         "updated_at",
     )
-    list_filter = ("enabled", "risk_level", "readonly", "idempotency_verified")
+    list_filter = (
+        "enabled",
+        "risk_level",
+        "readonly",
+        "idempotency_verified",
+        "rate_limit_enforced",
+    )
     search_fields = ("scope",)
     readonly_fields = ACC_FIELDS
     form = CapabilitySettingsForm

@@ -383,6 +383,7 @@ def test_the_capability_page_shows_what_is_in_force_and_how_it_came_to_be(db: No
 
     listed = reviewer.get("/audit/capabilities/").content.decode()
     assert '<a href="/audit/capabilities/refund.create/">refund.create</a>' in listed
+    assert "<td>10 per 1m, watched</td>" in listed
     page = reviewer.get("/audit/capabilities/refund.create/").content.decode()
 
     in_force = page.split('id="in-force"')[1].split("</section>")[0]

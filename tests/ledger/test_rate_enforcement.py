@@ -279,9 +279,12 @@ def test_the_capability_page_says_whether_it_is_enforced_and_how_full_it_is(
 ) -> None:
     enforced(count=2, window="1h")
     assert intent(api, 1)[0] == 201
-    page = person("carl", "compliance").get("/audit/capabilities/refund.create/").content.decode()
+    reviewer = person("carl", "compliance")
+    page = reviewer.get("/audit/capabilities/refund.create/").content.decode()
     assert "2 per 1h, as declared: enforced, an attempt beyond it refused at admission" in page
     assert "nothing recorded), 1 of 2 admitted in the last 1h;" in page
+    listed = reviewer.get("/audit/capabilities/").content.decode()
+    assert "<td>2 per 1h, enforced</td>" in listed
 
 
 @pytest.mark.django_db(transaction=True)
