@@ -126,8 +126,8 @@ class CapabilityAdmin(admin.ModelAdmin):
     def _tell_what_is_enforced(self, request: HttpRequest, capability: Capability) -> None:
         """What the setting just turned on holds the capability to: the admissions
         already made in the window count against it."""
-        limit = rate_enforcement.enforced_limits([capability]).get(capability.scope)
-        if limit is None:
+        window = rate_enforcement.window_of(capability)
+        if window is None:
             self.message_user(
                 request,
                 "Its declaration declares no execution.rate_limit: nothing is enforced "
@@ -135,13 +135,12 @@ class CapabilityAdmin(admin.ModelAdmin):
                 messages.WARNING,
             )
             return
-        count, window = limit.declared["count"], limit.declared["window"]
-        admitted = rate_enforcement.admitted_in_window(capability.scope, limit)
+        count, span = window.limit.count, window.limit.declared["window"]
         self.message_user(
             request,
-            f"Enforced from now: {admitted} of {count} admissions in the last {window} were "
-            "made already and count against it.",
-            messages.WARNING if admitted >= count else messages.INFO,
+            f"Enforced from now: {window.admitted} of {count} admissions in the last {span} "
+            "were made already and count against it.",
+            messages.WARNING if window.admitted >= count else messages.INFO,
         )
 
     def get_urls(self) -> list[URLPattern]:

@@ -86,7 +86,7 @@ def capability_register(*, declaration: acc.Declaration, source: str, actor: str
         return Registration(capability, Registered.UNCHANGED)
     outcome = Registered.CREATED if capability is None else Registered.UPDATED
     capability = capability or Capability(scope=declaration.scope)
-    enforced_before = _enforced_limit(capability)
+    enforced_before = rate_enforcement.enforced_limit(capability)
     _apply(capability, declaration)
     capability.version += 1
     capability.save()
@@ -142,15 +142,11 @@ def settings_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     }
 
 
-def _enforced_limit(capability: Capability) -> rate_enforcement.RateLimit | None:
-    return rate_enforcement.enforced_limits([capability]).get(capability.scope)
-
-
 def _renumber_if_changed(capability: Capability, before: rate_enforcement.RateLimit | None) -> None:
     """Count the admissions already made against a limit the ledger now enforces (or
     enforces otherwise): turned on mid-window, it would otherwise let up to twice the
     limit through in its first window."""
-    if (limit := _enforced_limit(capability)) != before:
+    if (limit := rate_enforcement.enforced_limit(capability)) != before:
         rate_enforcement.renumber(capability.scope, limit)
 
 
@@ -171,7 +167,7 @@ def capability_settings_change(
         raise TypeError(f"not ledger settings: {', '.join(sorted(unknown))}")
     capability = Capability.objects.select_for_update().get(scope=scope)
     before = settings_of(capability)
-    enforced_before = _enforced_limit(capability)
+    enforced_before = rate_enforcement.enforced_limit(capability)
     for name, value in settings.items():
         setattr(capability, name, value)
     capability.full_clean(exclude=[*DECLARED_FIELDS, "scope", "declaration", "version"])

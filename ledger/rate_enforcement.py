@@ -120,6 +120,10 @@ def enforced_limits(capabilities: Iterable[Capability | None]) -> dict[str, Rate
     }
 
 
+def enforced_limit(capability: Capability) -> RateLimit | None:
+    return enforced_limits([capability]).get(capability.scope)
+
+
 # The unit's lock is taken by a statement of its own: a statement's snapshot is taken
 # as it starts, before a lock it waits for, and would miss what the holder committed.
 LOCKED = "SELECT pg_advisory_xact_lock(hashtext(%s))"
@@ -211,11 +215,16 @@ def windows_now() -> list[Window]:
     return [Window(scope, limit, admitted.get(scope, 0)) for scope, limit in sorted(limits.items())]
 
 
-def admitted_in_window(scope: str, limit: RateLimit) -> int:
-    """How many admissions the enforced limit counts now: all of them are among the
-    newest `count` kept, since no more than `count` are ever admitted in a window."""
+def window_of(capability: Capability) -> Window | None:
+    """The capability's enforced window as it stands now (None: no limit enforced). The
+    admissions in it are all among the newest `count` kept, since no more than `count`
+    are ever admitted in a window."""
+    limit = enforced_limit(capability)
+    if limit is None:
+        return None
     since = timezone.now() - limit.window
-    return RateAdmission.objects.filter(scope=scope, admitted_at__gt=since).count()
+    admitted = RateAdmission.objects.filter(scope=capability.scope, admitted_at__gt=since)
+    return Window(capability.scope, limit, admitted.count())
 
 
 def renumber(scope: str, limit: RateLimit | None) -> None:

@@ -317,12 +317,9 @@ def capability_list(request: HttpRequest) -> HttpResponse:
 def capability_page(request: HttpRequest, scope: str) -> HttpResponse:
     """One capability: its declaration and settings in force, and how they came to be."""
     capability = get_object_or_404(Capability, scope=scope)
-    enforced = rate_enforcement.enforced_limits([capability]).get(scope)
     context = {
         "capability": capability,
-        "admitted_in_window": (
-            rate_enforcement.admitted_in_window(scope, enforced) if enforced else None
-        ),
+        "rate_window": rate_enforcement.window_of(capability),
         "history": capability_history(scope),
         "declarations": capability.declarations.order_by("-version"),
         "rate_watch": RateWatch.objects.filter(scope=scope).first(),

@@ -523,10 +523,10 @@ class AsyncLedgerClient:
         _report_left(record, why, bool(self.spool))
 
     async def _left_at_shutdown(self, record: Record) -> str | Refused | None:
-        """The send cancelled by the loop's shutdown, of a client never closed (which
-        waits for these tasks, once cancelled, before it closes): sent again and given
-        one request's time, as a blocking client's exit gives it (a replay, if the
-        first reached the ledger)."""
+        """The send cancelled by the loop's shutdown, for a client never closed: the
+        loop waits for the tasks it cancels, so the outcome is sent again, given one
+        request's time as a blocking client's exit gives it (a replay, if the first
+        send reached the ledger)."""
         try:
             async with asyncio.timeout(self.timeout):
                 return await self._run(self.protocol.delivered(record))
