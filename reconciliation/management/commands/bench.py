@@ -16,7 +16,9 @@ serves the API from it with gunicorn (gthread), and in the same run measures:
   ratio compares figures taken under the same drift of the machine's speed; during
   the 8-client slices, the CPU each process group spends, from /proc;
 - enforced: the intent at 1 client under a capability whose declared rate limit the
-  ledger enforces (a limit never reached), alternating with the plain intent;
+  ledger enforces (a limit never reached), alternating with the plain intent; and at 8
+  clients, where that capability's admissions take turns on its lock, the intents a
+  second against the plain intent's, alternating likewise;
 - batch: POST /api/v1/evidence with 1,000 intents per request, 1 and 2 clients,
   and the floor of its rows: the same rows copied by one SQL statement per 1,000;
 - reconciliation: among 100,000 terminal invocations, 1,000 overdue ones are swept
@@ -715,9 +717,10 @@ class Command(BaseCommand):
 
     @staticmethod
     def enforced(port: int, token: str, seconds: float, rounds: int) -> dict[str, Any]:
-        """The intent at 1 client under a capability whose rate limit is enforced,
-        against the same intent under refund.create, in `rounds` alternating slices
-        (each of seconds/rounds/2)."""
+        """The intent under a capability whose rate limit is enforced, against the same
+        intent under refund.create, in `rounds` alternating slices (each of
+        seconds/rounds/2): at 1 client, and at 8, where the enforced capability's
+        admissions take turns on its lock while the plain ones do not."""
         share = seconds / rounds / 2
         plain: list[float] = []
         enforced: list[float] = []
@@ -727,11 +730,24 @@ class Command(BaseCommand):
                 got, _ = run_clients(worker, 1, (port, token), share)
                 into += [x for intents, _ in got for x in intents]
             per_round.append(round(statistics.median(enforced) / statistics.median(plain), 2))
+        at_8: dict[str, list[float]] = {"plain": [], "enforced": []}
+        spent = {"plain": 0.0, "enforced": 0.0}
+        for _ in range(rounds):
+            for name, worker in (("plain", api_worker), ("enforced", enforced_api_worker)):
+                got, elapsed = run_clients(worker, 8, (port, token), share)
+                at_8[name] += [x for intents, _ in got for x in intents]
+                spent[name] += elapsed
+        plain_8, enforced_8 = (
+            summary(at_8[name], spent[name], len(at_8[name])) for name in ("plain", "enforced")
+        )
         return {
             "intent": summary(enforced, seconds / 2, len(enforced)),
             "plain_intent_p50_ms": round(statistics.median(plain) * 1000, 3),
             "over_plain_p50": round(statistics.median(enforced) / statistics.median(plain), 2),
             "over_plain_p50_round_by_round": per_round,
+            "intent_8": enforced_8,
+            "plain_intent_8": plain_8,
+            "over_plain_per_second_8": round(enforced_8["per_second"] / plain_8["per_second"], 2),
         }
 
     @staticmethod
@@ -915,10 +931,24 @@ class Command(BaseCommand):
         )
         for name, value in results["ratios"].items():
             out(f"ratio {name}: {value}")
+        row = enforced["intent_8"]
+        out(
+            f"{'api intent, rate limit enforced, 8 cl.':<34}"
+            f"{row['p50_ms']:>10}{row['p99_ms']:>10}{row['per_second']:>14}"
+        )
+        row = enforced["plain_intent_8"]
+        out(
+            f"{'api intent, alongside it, 8 cl.':<34}"
+            f"{row['p50_ms']:>10}{row['p99_ms']:>10}{row['per_second']:>14}"
+        )
         out(
             f"ratio enforced_intent_p50_over_intent_p50_1_client: {enforced['over_plain_p50']} "
             f"(round by round: {', '.join(map(str, enforced['over_plain_p50_round_by_round']))}; "
             f"the intent alongside it {enforced['plain_intent_p50_ms']} ms)"
+        )
+        out(
+            "ratio enforced_intents_per_second_over_intents_per_second_8_clients: "
+            f"{enforced['over_plain_per_second_8']}"
         )
         for name, values in results["per_round_ratios"].items():
             out(f"ratio {name}, round by round: {', '.join(map(str, values))}")
