@@ -136,11 +136,20 @@ class CapabilityAdmin(admin.ModelAdmin):
             )
             return
         count, span = window.limit.count, window.limit.declared["window"]
+        if window.admitted < count:
+            self.message_user(
+                request,
+                f"Enforced from now: {window.admitted} of {count} admissions in the last "
+                f"{span} were made already and count against it.",
+                messages.INFO,
+            )
+            return
+        # Only the newest `count` are numbered: the window may hold more.
         self.message_user(
             request,
-            f"Enforced from now: {window.admitted} of {count} admissions in the last {span} "
-            "were made already and count against it.",
-            messages.WARNING if window.admitted >= count else messages.INFO,
+            f"Enforced from now: {count} or more admissions were made in the last {span}, "
+            "so its window is full: the next is refused until the oldest of them leaves it.",
+            messages.WARNING,
         )
 
     def get_urls(self) -> list[URLPattern]:

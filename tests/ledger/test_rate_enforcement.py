@@ -327,6 +327,23 @@ def test_an_admin_turns_it_on_in_the_admin_says_why_and_is_told_how_full_it_is(
     assert change.reason == "payments allows 2 an hour"
 
 
+def test_turned_on_over_a_full_window_the_admin_is_warned_that_it_is_full(
+    admin_client: Client, api: Api
+) -> None:
+    capability = registered("refund.create", rate_limit={"count": 2, "window": "1h"})
+    for n in (1, 2, 3):
+        assert intent(api, n)[0] == 201
+    url = f"/admin/ledger/capability/{capability.pk}/change/"
+    saved = admin_client.post(url, TURNED_ON | {"reason": "a runaway agent"}, follow=True)
+    told = [(message.level_tag, str(message)) for message in saved.context["messages"]]
+    assert told[0] == (
+        "warning",
+        "Enforced from now: 2 or more admissions were made in the last 1h, so its window is "
+        "full: the next is refused until the oldest of them leaves it.",
+    )
+    assert intent(api, 4)[0] == 429
+
+
 def test_turned_on_for_a_capability_that_declares_no_limit_the_admin_is_warned(
     admin_client: Client,
 ) -> None:
